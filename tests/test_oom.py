@@ -1,0 +1,103 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from timm_ext.oom import check_batch_size_retry, is_oom, should_retry
+
+
+def _raised(fn) -> BaseException:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: B902 - the point is to capture the real exception
+        return exc
+    raise AssertionError('expected an exception')
+
+
+def test_real_cpu_oom_under_rlimit_data_is_retried():
+    # A real allocator failure: cap the data segment of a child process, then ask for far more than the cap.
+    code = textwrap.dedent('''
+        import resource, torch
+        from timm_ext.oom import is_oom, should_retry
+        with open('/proc/self/status') as f:
+            vm_data = next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmData:'))
+        resource.setrlimit(resource.RLIMIT_DATA, (vm_data + (256 << 20), resource.RLIM_INFINITY))
+        try:
+            torch.empty(1 << 31, dtype=torch.float32)
+        except RuntimeError as exc:
+            print(type(exc).__name__, is_oom(exc), should_retry(exc), '|', str(exc).splitlines()[0][:160])
+        x = torch.ones(1000)  # the process lives on after the failed allocation
+        print('alive', float(x.sum()))
+    ''')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.strip().splitlines()
+    assert first.split('|')[0].split() == ['RuntimeError', 'True', 'True']
+    assert "can't allocate memory" in first
+    assert second == 'alive 1000.0'
+
+
+def test_oom_error_type_is_oom_whatever_the_message():
+    assert is_oom(torch.OutOfMemoryError('allocation failed'))
+    assert is_oom(MemoryError())
+    assert should_retry(torch.OutOfMemoryError('allocation failed'))
+
+
+def test_wrapped_oom_is_found():
+    def compile_step():
+        try:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+        except RuntimeError as inner:
+            raise ValueError('backend compiler failed') from inner
+
+    exc = _raised(compile_step)
+    assert is_oom(exc) and should_retry(exc)
+
+
+@pytest.mark.parametrize('message', [
+    'CUDA out of memory. Tried to allocate 2.00 GiB',
+    'CUDA error: out of memory',
+    'cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.',
+    'MPS backend out of memory (MPS allocated: 1.2 GB)',
+    'XPU out of memory. Tried to allocate 20.00 MiB',
+])
+def test_backend_messages_are_oom(message):
+    # These backends cannot be reached on a CPU machine: their exact messages stand in for them.
+    exc = RuntimeError(message)
+    assert is_oom(exc) and should_retry(exc)
+
+
+def test_real_shape_mismatch_not_retried():
+    exc = _raised(lambda: torch.nn.Linear(8, 4)(torch.randn(2, 5)))
+    assert not is_oom(exc) and not should_retry(exc)
+    assert check_batch_size_retry(str(exc))  # stock would have retried it
+
+
+def test_real_dtype_mismatch_not_retried():
+    exc = _raised(lambda: torch.ones(3, dtype=torch.long) @ torch.ones(3))
+    assert not should_retry(exc)
+
+
+def test_real_channels_last_rank_error_not_retried():
+    exc = _raised(lambda: torch.randn(2, 3).to(memory_format=torch.channels_last))
+    assert 'required rank' in str(exc)
+    assert not should_retry(exc)
+    assert not check_batch_size_retry(str(exc))
+
+
+@pytest.mark.parametrize('message', [
+    'CUDA error: an illegal memory access was encountered',
+    'CUDA error: device-side assert triggered',
+    'CUDA error: out of memory\nCUDA error: an illegal memory access was encountered',
+])
+def test_fatal_cuda_errors_never_retried(message):
+    # No CUDA device here: the exact CUDA messages stand in for the real errors.
+    assert not should_retry(RuntimeError(message))
+
+
+def test_stock_rule():
+    assert check_batch_size_retry('CUDA out of memory')
+    assert not check_batch_size_retry('Illegal memory access')
+    assert not check_batch_size_retry('required rank 4 tensor to use channels_last format')

@@ -1,0 +1,74 @@
+"""Tell out-of-memory failures apart from every other failure, so only OOMs lead to a smaller batch.
+
+`is_oom` looks at the exception type first (`torch.OutOfMemoryError`, Python's `MemoryError`), then at the messages
+the allocators of each backend raise. `should_retry` is the policy: retry with a smaller batch only on an OOM, and
+never on errors that leave the device unusable or that a smaller batch cannot fix.
+`check_batch_size_retry` keeps the stock validate.py rule for callers that want exactly that behaviour.
+"""
+from typing import Iterator
+
+import torch
+
+__all__ = ['is_oom', 'should_retry', 'check_batch_size_retry', 'OOM_MESSAGES', 'FATAL_MESSAGES']
+
+# Lower-cased fragments of the messages each backend raises when an allocation fails.
+OOM_MESSAGES = (
+    'out of memory',                          # CUDA ("CUDA out of memory", "CUDA error: out of memory"), XPU, MPS
+    "can't allocate memory",                  # CPU: DefaultCPUAllocator under a memory limit
+    'cudnn_status_not_supported',             # cuDNN gives up when a batch needs too large a workspace
+    'cublas_status_alloc_failed',             # cuBLAS handle/workspace allocation
+    'cudnn_status_alloc_failed',
+)
+
+# Lower-cased fragments of errors that must never be retried, even when they mention memory.
+FATAL_MESSAGES = (
+    'illegal memory access',                  # CUDA context is corrupted: every later kernel fails too
+    'illegal instruction',
+    'device-side assert',                     # e.g. a label out of range: same failure at any batch size
+    'required rank',                          # channels_last asked of a tensor that is not 4-D
+    'misaligned address',
+)
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """Yield `exc` and the exceptions it was raised from (torch.compile and DataLoader wrap the real error)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc).lower()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Return True when `exc` (or an exception it wraps) is an out-of-memory failure of any backend."""
+    for err in _exception_chain(exc):
+        if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(err, RuntimeError):
+            msg = _message(err)
+            if any(fatal in msg for fatal in FATAL_MESSAGES):
+                return False
+            if any(oom in msg for oom in OOM_MESSAGES):
+                return True
+    return False
+
+
+def should_retry(exc: BaseException) -> bool:
+    """Return True when running again with a smaller batch can fix `exc`: real OOMs only.
+
+    Illegal memory accesses, device-side asserts, channels_last rank errors, shape and dtype errors are never
+    retried: a smaller batch cannot fix them, and after the first two the device is unusable anyway.
+    """
+    if any(fatal in _message(err) for err in _exception_chain(exc) for fatal in FATAL_MESSAGES):
+        return False
+    return is_oom(exc)
+
+
+def check_batch_size_retry(error_str: str) -> bool:
+    """The stock validate.py rule: retry any failure except channels_last rank errors and illegal accesses."""
+    error_str = error_str.lower()
+    return 'required rank' not in error_str and 'illegal' not in error_str
