@@ -1,0 +1,344 @@
+"""Training and evaluation loops for train.py: explicit gradient accumulation, host syncs only when logging.
+
+An epoch of n micro-batches with k accumulation steps is cut into ceil(n / k) windows (the last may be shorter).
+Within a window each micro-batch's loss is weighted by its samples over the window's samples, so the accumulated
+gradient is the mean over every sample of the window, the shorter last window included. Under DDP the gradient
+all-reduce runs only on a window's last backward (``no_sync`` before it). Optimizer step, EMA update, ``zero_grad``
+and the scheduler's ``step_update`` happen once per window. Losses stay on the device as tensors and are read
+(``.item()``) only on log lines and at the end of the epoch.
+
+Extension points: :meth:`TrainLoop.forward_backward` is one micro-batch (or any slice of one, weighted by its own
+samples), :meth:`TrainLoop.optimizer_update` sees a window's complete gradient before it is applied.
+"""
+import logging
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torchvision.utils
+from timm.utils import accuracy, dispatch_clip_grad
+
+from .accum import accumulation_windows
+from .distributed import reduce_mean, reduce_sum
+
+_logger = logging.getLogger('train')
+
+# How a micro-batch's loss is weighted against its window: 'samples' is the true mean over the window's samples;
+# 'none', 'linear' and 'sqrt' are timm's --variable-batch-loss-scale / --naflex-loss-scale modes for loaders whose
+# batch size varies on purpose (each micro-batch counts 1, n / reference or sqrt(n / reference), divided by the
+# window length).
+LOSS_WEIGHTINGS = ('samples', 'none', 'linear', 'sqrt')
+
+
+@dataclass
+class LoopConfig:
+    """Settings of the training loop that stay fixed for a run.
+
+    Attributes:
+        device: Device the model trains on.
+        accum_steps: Micro-batches per optimizer update (--grad-accum-steps).
+        batch_size: Nominal micro-batch size; the reference for loss weighting.
+        loss_weighting: One of LOSS_WEIGHTINGS.
+        clip_grad: Gradient clipping value, None for no clipping.
+        clip_mode: 'norm', 'value' or 'agc'.
+        log_interval: Log every this many updates (and the last one).
+        recovery_interval: Call the recovery hook every this many updates (0: never).
+        channels_last: Convert inputs to channels_last.
+        model_dtype: Dtype inputs are cast to when the loader does not do it (no prefetcher).
+        prefetcher: Batches arrive on the device already normalized (timm's PrefetchLoader).
+        synchronize_step: Synchronize the device after every update (accurate per-update timing).
+        world_size: Number of processes; > 1 means distributed.
+        rank: This process's rank; only rank 0 writes log lines.
+        naflex: Inputs are NaFlex dicts; under DDP each micro-batch is scaled by its share of the global batch.
+        save_images_dir: Write the first input of each logged update here (--save-images), or None.
+    """
+    device: torch.device
+    accum_steps: int = 1
+    batch_size: float = 1
+    loss_weighting: str = 'samples'
+    clip_grad: Optional[float] = None
+    clip_mode: str = 'norm'
+    log_interval: int = 50
+    recovery_interval: int = 0
+    channels_last: bool = False
+    model_dtype: Optional[torch.dtype] = None
+    prefetcher: bool = False
+    synchronize_step: bool = False
+    world_size: int = 1
+    rank: int = 0
+    naflex: bool = False
+    save_images_dir: Optional[str] = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def batch_len(input: Any) -> int:
+    """Samples in a batch: a tensor's first dimension, or the patches of a NaFlex dict."""
+    return (input['patches'] if isinstance(input, dict) else input).shape[0]
+
+
+class TrainLoop:
+    """Runs training epochs and evaluations of a timm training task.
+
+    Args:
+        task: A timm.task TrainingTask (classification or distillation); DDP-wrapped inside when distributed.
+        optimizer: The optimizer of the task's trainable parameters.
+        cfg: Loop settings.
+        amp_autocast: Zero-argument factory of the autocast context (``nullcontext`` when AMP is off).
+        grad_scaler: A ``torch.amp.GradScaler`` (float16 AMP on CUDA), else None.
+        mixup_fn: Mixup/CutMix applied here when the loader does not do it (no prefetcher), else None.
+        lr_scheduler: A timm scheduler; its ``step_update`` is called once per update.
+        save_recovery: Called as ``save_recovery(epoch, update_idx)`` every ``cfg.recovery_interval`` updates.
+    """
+
+    def __init__(
+            self,
+            task: nn.Module,
+            optimizer: torch.optim.Optimizer,
+            cfg: LoopConfig,
+            amp_autocast: Callable[[], ContextManager] = nullcontext,
+            grad_scaler: Optional[torch.amp.GradScaler] = None,
+            mixup_fn: Optional[Callable] = None,
+            lr_scheduler: Any = None,
+            save_recovery: Optional[Callable[[int, int], None]] = None,
+    ):
+        if cfg.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f'loss_weighting must be one of {LOSS_WEIGHTINGS}, got {cfg.loss_weighting!r}')
+        self.task = task
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.amp_autocast = amp_autocast
+        self.grad_scaler = grad_scaler
+        self.mixup_fn = mixup_fn
+        self.lr_scheduler = lr_scheduler
+        self.save_recovery = save_recovery
+        self.second_order = getattr(optimizer, 'is_second_order', False)
+        self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG state when the current epoch's loader started
+
+    # ---- one micro-batch ------------------------------------------------------------------------------------
+
+    def prepare_batch(self, input: Any, target: torch.Tensor) -> Tuple[Any, torch.Tensor]:
+        """Move a batch to the device and apply mixup when the loader did not; channels_last if asked."""
+        if not self.cfg.prefetcher:
+            input = input.to(device=self.cfg.device, dtype=self.cfg.model_dtype)
+            target = target.to(device=self.cfg.device)
+            if self.mixup_fn is not None:
+                input, target = self.mixup_fn(input, target)
+        if self.cfg.channels_last and torch.is_tensor(input):
+            input = input.contiguous(memory_format=torch.channels_last)
+        return input, target
+
+    def loss_weight(self, num_samples: int, window_len: int) -> float:
+        """Weight of a micro-batch's mean loss in a window of ``window_len`` micro-batches of nominal size."""
+        ratio = num_samples / self.cfg.batch_size
+        per_batch = {'samples': ratio, 'none': 1.0, 'linear': ratio, 'sqrt': math.sqrt(ratio)}[self.cfg.loss_weighting]
+        weight = per_batch / window_len
+        if self.cfg.naflex and self.cfg.distributed:
+            # ranks see different NaFlex batch sizes; weigh each rank by its share of the global batch (as timm)
+            global_samples = reduce_sum(torch.tensor(float(num_samples), device=self.cfg.device))
+            weight *= self.cfg.world_size * num_samples / global_samples
+        return weight
+
+    def forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss scaled by ``weight``; gradients add up in ``.grad``.
+
+        Args:
+            input: Input batch on the device.
+            target: Targets on the device.
+            weight: Factor on the micro-batch's mean loss (its share of the window).
+            sync: All-reduce gradients across ranks in this backward (the window's last one).
+
+        Returns:
+            The micro-batch's unweighted mean loss, detached, on the device.
+        """
+        with nullcontext() if sync else self.task.no_sync():
+            with self.amp_autocast():
+                loss = self.task(input, target)['loss']
+            scaled = loss * weight
+            if self.grad_scaler is not None:
+                scaled = self.grad_scaler.scale(scaled)
+            scaled.backward(create_graph=self.second_order)
+        return loss.detach()
+
+    # ---- one window ---------------------------------------------------------------------------------------------
+
+    def optimizer_update(self, grad_correction: float = 1.0) -> None:
+        """Apply a window's accumulated gradient: unscale, correct, clip, step, then zero the gradients.
+
+        Args:
+            grad_correction: Factor on the accumulated gradient, for a window whose micro-batches held fewer
+                samples than nominal (keeps the window a true mean).
+        """
+        needs_grads = grad_correction != 1.0 or self.cfg.clip_grad is not None
+        if needs_grads and self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+        if grad_correction != 1.0:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
+            torch._foreach_mul_(grads, grad_correction)
+        if self.cfg.clip_grad is not None:
+            dispatch_clip_grad(
+                self.task.get_clip_parameters(exclude_head='agc' in self.cfg.clip_mode),
+                value=self.cfg.clip_grad,
+                mode=self.cfg.clip_mode,
+            )
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- one epoch ----------------------------------------------------------------------------------------------
+
+    def train_one_epoch(self, epoch: int, loader: Any, start_update: int = 0) -> Dict[str, float]:
+        """Train one epoch, or its remainder after ``start_update`` updates (a resumed recovery checkpoint).
+
+        Returns:
+            ``{'loss': mean training loss over the samples trained in this call}``, averaged over ranks.
+        """
+        cfg = self.cfg
+        windows = accumulation_windows(len(loader), cfg.accum_steps)
+        updates_per_epoch = len(windows)
+        num_updates = epoch * updates_per_epoch + start_update
+        self.task.get_trainable_module().train()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self.epoch_rng = torch.get_rng_state()
+        batches: Iterator = iter(loader)
+        if start_update:
+            skip = windows[start_update].start if start_update < updates_per_epoch else len(loader)
+            if cfg.rank == 0:
+                _logger.info(f'Resuming epoch {epoch} at update {start_update}/{updates_per_epoch}: '
+                             f'skipping {skip} batches already trained.')
+            for _ in range(skip):
+                next(batches)
+
+        epoch_loss = torch.zeros((), device=cfg.device)  # sum of loss x samples
+        epoch_samples = 0
+        update_time = data_time = 0.0
+        update_start = data_start = time.time()
+        for update_idx in range(start_update, updates_per_epoch):
+            window = windows[update_idx]
+            window_loss = torch.zeros((), device=cfg.device)
+            window_samples = 0
+            window_data_time = 0.0
+            for pos in range(len(window)):
+                input, target = self.prepare_batch(*next(batches))
+                window_data_time += time.time() - data_start
+                num_samples = batch_len(input)
+                weight = self.loss_weight(num_samples, len(window))
+                loss = self.forward_backward(input, target, weight, sync=pos == len(window) - 1)
+                window_loss += loss * num_samples
+                window_samples += num_samples
+                data_start = time.time()
+
+            nominal = len(window) * cfg.batch_size
+            correction = nominal / window_samples if cfg.loss_weighting == 'samples' else 1.0
+            self.optimizer_update(correction)
+            num_updates += 1
+            self.task.update_ema(step=num_updates)
+            epoch_loss += window_loss
+            epoch_samples += window_samples
+
+            if cfg.synchronize_step and cfg.device.type == 'cuda':
+                torch.cuda.synchronize()
+            now = time.time()
+            update_time, data_time, update_start = now - update_start, window_data_time, now
+
+            last = update_idx == updates_per_epoch - 1
+            if update_idx % cfg.log_interval == 0 or last:
+                self._log_update(epoch, update_idx, updates_per_epoch, window_loss / window_samples,
+                                 epoch_loss / epoch_samples, window_samples, update_time, data_time)
+                if cfg.save_images_dir and torch.is_tensor(input):
+                    torchvision.utils.save_image(
+                        input, f'{cfg.save_images_dir}/train-batch-{window.stop - 1}.jpg', padding=0, normalize=True)
+
+            if self.save_recovery is not None and cfg.recovery_interval and (
+                    (update_idx + 1) % cfg.recovery_interval == 0):
+                self.save_recovery(epoch, update_idx)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step_update(num_updates=num_updates)
+            data_start = time.time()
+
+        if hasattr(self.optimizer, 'sync_lookahead'):
+            self.optimizer.sync_lookahead()
+        mean_loss = epoch_loss / max(epoch_samples, 1)
+        if cfg.distributed:
+            mean_loss = reduce_mean(mean_loss, cfg.world_size)
+        return {'loss': mean_loss.item()}
+
+    def _log_update(
+            self, epoch: int, update_idx: int, updates_per_epoch: int, loss_now: torch.Tensor, loss_avg: torch.Tensor,
+            window_samples: int, update_time: float, data_time: float,
+    ) -> None:
+        if self.cfg.distributed:
+            loss_now = reduce_mean(loss_now, self.cfg.world_size)
+            loss_avg = reduce_mean(loss_avg, self.cfg.world_size)
+        if self.cfg.rank != 0:
+            return
+        lrs = [g['lr'] for g in self.optimizer.param_groups]
+        samples = window_samples * self.cfg.world_size
+        _logger.info(
+            f'Train: {epoch} [{update_idx:>4d}/{updates_per_epoch} '
+            f'({100. * (update_idx + 1) / updates_per_epoch:>3.0f}%)]  '
+            f'Loss: {loss_now.item():#.3g} ({loss_avg.item():#.3g})  '
+            f'Time: {update_time:.3f}s, {samples / max(update_time, 1e-9):>7.2f}/s  '
+            f'LR: {sum(lrs) / len(lrs):.3e}  '
+            f'Data: {data_time:.3f}'
+        )
+
+    # ---- evaluation ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def evaluate(
+            self, model: nn.Module, loader: Any, loss_fn: nn.Module, tta: int = 0, log_suffix: str = '',
+    ) -> Dict[str, float]:
+        """Loss, top-1 and top-5 accuracy of ``model`` on ``loader``, summed over all ranks' samples.
+
+        Args:
+            model: The eval model (EMA or not).
+            loader: Evaluation loader.
+            loss_fn: Loss on logits and class indices.
+            tta: Test-time augmentation factor: average this many consecutive outputs per sample.
+            log_suffix: Appended to the 'Test' log prefix, e.g. ' (EMA)'.
+        """
+        cfg = self.cfg
+        model.eval()
+        totals = torch.zeros(4, device=cfg.device, dtype=torch.float64)  # loss x n, top1 x n, top5 x n, n
+        last_idx = len(loader) - 1
+        start = time.time()
+        for batch_idx, (input, target) in enumerate(loader):
+            if not cfg.prefetcher:
+                input = input.to(device=cfg.device, dtype=cfg.model_dtype)
+                target = target.to(device=cfg.device)
+            if cfg.channels_last and torch.is_tensor(input):
+                input = input.contiguous(memory_format=torch.channels_last)
+            with self.amp_autocast():
+                output = model(input)
+                if isinstance(output, (tuple, list)):
+                    output = output[0]
+                if tta > 1:
+                    output = output.unfold(0, tta, tta).mean(dim=2)
+                    target = target[0:target.size(0):tta]
+                loss = loss_fn(output, target)
+            top1, top5 = accuracy(output, target, topk=(1, 5))
+            n = output.shape[0]
+            totals += torch.stack([loss.double() * n, top1.double() * n, top5.double() * n,
+                                   torch.tensor(n, device=cfg.device, dtype=torch.float64)])
+            if batch_idx == last_idx or batch_idx % cfg.log_interval == 0:
+                seen = reduce_sum(totals) if cfg.distributed else totals
+                loss_avg, top1_avg, top5_avg = (seen[:3] / seen[3]).tolist()
+                if cfg.rank == 0:
+                    _logger.info(
+                        f'Test{log_suffix}: [{batch_idx:>4d}/{last_idx}]  Time: {time.time() - start:.3f}  '
+                        f'Loss: {loss_avg:>6.3f}  Acc@1: {top1_avg:>7.3f}  Acc@5: {top5_avg:>7.3f}')
+        if cfg.distributed:
+            totals = reduce_sum(totals)
+        loss_avg, top1_avg, top5_avg = (totals[:3] / totals[3].clamp(min=1)).tolist()
+        return {'loss': loss_avg, 'top1': top1_avg, 'top5': top5_avg}

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Train a timm image model: a drop-in replacement for timm's train.py.
+
+Every stock flag and `-c/--config` YAML works as in timm; what differs is fixed behaviour: exactly ceil(n/k)
+optimizer updates per epoch with gradient accumulation (a true mean in the shorter last window), no host sync per
+micro-batch, crash-safe checkpoints with a resume that continues inside an interrupted epoch, DDP on CPU (gloo),
+safetensors export of the best and last weights, and one-line errors for bad input.
+
+    python train.py --data-dir /data/imagenet --model resnet50 -b 128 --amp
+    ./distributed_train.sh 8 -c recipe.yaml
+
+The script wires timm and `timm_ext` together; the loop is `timm_ext.train_loop.TrainLoop`.
+"""
+import importlib
+import json
+import logging
+import os
+import sys
+from datetime import datetime
+
+import torch
+from timm import utils
+from timm.data import resolve_data_config
+from timm.layers import set_fast_norm
+from timm.optim import create_optimizer_v2, optimizer_kwargs
+from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+
+from timm_ext import checkpoint as ckpt
+from timm_ext.accum import accumulation_windows
+from timm_ext.amp import resolve_amp
+from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
+from timm_ext.lr import resolve_lr
+from timm_ext.train_args import parse_args
+from timm_ext.train_loop import LoopConfig, TrainLoop
+from timm_ext.train_setup import (
+    SetupError, UsageError, build_datasets, build_eval_loader, build_model, build_task, build_train_loader,
+    build_train_loss, check_arg_combinations, disable_mixup, experiment_name, input_img_mode, resolve_model_dtype,
+)
+
+try:
+    import wandb
+except ImportError:
+    wandb = None
+
+_logger = logging.getLogger('train')
+
+
+def main() -> int:
+    utils.setup_default_logging()
+    args, args_text = parse_args()
+    try:
+        check_arg_combinations(args)
+        return train(args, args_text)
+    except UsageError as e:
+        print(f'{os.path.basename(sys.argv[0])}: error: {e}', file=sys.stderr)
+        return 2
+    except (SetupError, DeviceError, ckpt.CheckpointError) as e:
+        print(f'{os.path.basename(sys.argv[0])}: error: {e}', file=sys.stderr)
+        return 1
+
+
+def train(args, args_text: str) -> int:
+    for module in args.device_modules or ():
+        importlib.import_module(module)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    args.prefetcher = not args.no_prefetcher
+
+    device = init_device(args)
+    primary = utils.is_primary(args)
+    if args.distributed:
+        _logger.info(f'Distributed training: process {args.rank} of {args.world_size}, device {args.device}.')
+    else:
+        _logger.info(f'Training with a single process on {args.device}.')
+
+    model_dtype = resolve_model_dtype(args)
+    amp = resolve_amp(device, args.amp, args.amp_dtype)
+    utils.random_seed(args.seed, args.rank)
+    if args.fuser:
+        utils.set_jit_fuser(args.fuser)
+    if args.fast_norm:
+        set_fast_norm()
+
+    # ---- model and data --------------------------------------------------------------------------------------
+    model = build_model(args, device, model_dtype)
+    if primary:
+        _logger.info(f'Model {args.model} created, param count: {sum(p.numel() for p in model.parameters())}')
+        _logger.info(amp.message)
+    data_config = resolve_data_config(vars(args), model=model, verbose=primary)
+    dataset_train, dataset_eval = build_datasets(args, input_img_mode(args, data_config))
+    loader_train, mixup_fn, reference_batch = build_train_loader(
+        args, dataset_train, data_config, device, model_dtype, model)
+    loader_eval = None
+    if dataset_eval is not None:
+        loader_eval = build_eval_loader(args, dataset_eval, data_config, device, model_dtype, model)
+
+    lr_choice = resolve_lr(args.lr, args.lr_base, args.lr_base_size, args.lr_base_scale, args.opt,
+                           reference_batch, args.world_size, args.grad_accum_steps)
+    args.lr = lr_choice.lr
+    if lr_choice.from_base:
+        args.lr_base_scale = lr_choice.scale
+    if primary:
+        _logger.info(lr_choice.message)
+        if lr_choice.hint:
+            _logger.info(lr_choice.hint)
+
+    # ---- task, optimizer, resume, EMA, compile, DDP ---------------------------------------------------------
+    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
+    validate_loss_fn = torch.nn.CrossEntropyLoss().to(device=device)
+    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=args), **args.opt_kwargs)
+    if primary:
+        _logger.info(f'Created {type(optimizer).__name__} ({args.opt}) optimizer, lr {args.lr:g}, '
+                     f'weight decay {args.weight_decay:g}.')
+    grad_scaler = torch.amp.GradScaler(device.type) if amp.use_grad_scaler else None
+
+    resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None
+    if resumed is not None:
+        ckpt.restore_model(task, resumed)
+        if not args.no_resume_opt:
+            ckpt.restore_optimizer(optimizer, resumed, grad_scaler)
+    if args.model_ema:
+        # created after the model is on its device, before the DDP wrapper
+        task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
+                       device='cpu' if args.model_ema_force_cpu else None)
+        if resumed is not None:
+            ckpt.restore_model(task, resumed, ema=True)
+    if args.torchcompile:
+        task.compile(backend=args.torchcompile, mode=args.torchcompile_mode)
+        if task.has_ema():
+            task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
+    if args.distributed:
+        task.prepare_distributed(device_ids=ddp_device_ids(device), broadcast_buffers=not args.no_ddp_bb)
+
+    # ---- schedule and resume point ----------------------------------------------------------------------------
+    updates_per_epoch = len(accumulation_windows(len(loader_train), args.grad_accum_steps))
+    eval_metric = args.eval_metric if loader_eval is not None else 'loss'
+    decreasing = eval_metric == 'loss'
+    lr_scheduler, num_epochs = create_scheduler_v2(
+        optimizer, **scheduler_kwargs(args, decreasing_metric=decreasing), updates_per_epoch=updates_per_epoch)
+    start = ckpt.ResumePoint(0)
+    if resumed is not None:
+        start = ckpt.resume_point(resumed)
+    if args.start_epoch is not None:
+        start = ckpt.ResumePoint(args.start_epoch)  # an explicit start epoch wins, as stock
+    if lr_scheduler is not None:
+        ckpt.position_scheduler(lr_scheduler, start, updates_per_epoch, resumed and resumed.get('scheduler'))
+    if resumed is not None and not args.distributed and 'rng' in resumed:
+        ckpt.set_rng_state(resumed['rng'])  # each rank seeds its own streams under DDP; only rank 0's is saved
+
+    # ---- outputs (only now: bad input above leaves nothing on disk) -------------------------------------------
+    output_dir = saver = None
+    if primary:
+        exp_name = experiment_name(args, data_config, datetime.now().strftime('%Y%m%d-%H%M%S'))
+        output_dir = os.path.join(args.output or './output/train', exp_name)
+        os.makedirs(output_dir, exist_ok=True)
+        ckpt.remove_stale_tmp_files(output_dir)
+        ckpt.atomic_text(args_text, os.path.join(output_dir, 'args.yaml'))
+        saver = ckpt.CheckpointManager(output_dir, decreasing, args.checkpoint_hist, not args.no_safetensors)
+        if resumed is not None:
+            saver.load_state_dict(resumed.get('saver'))
+            drop_summary_rows(os.path.join(output_dir, 'summary.csv'), from_epoch=start.epoch)
+        if args.log_wandb:
+            if wandb is not None:
+                wandb.init(project=args.wandb_project, name=exp_name, config=args, tags=args.wandb_tags,
+                           resume='must' if args.wandb_resume_id else None, id=args.wandb_resume_id or None)
+            else:
+                _logger.warning('--log-wandb asked but wandb is not installed (pip install wandb); not logging.')
+
+    def state(epoch, metric=None):
+        return ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler)
+
+    def save_recovery(epoch, update_idx):
+        saver.save_recovery(
+            {**state(epoch), 'updates_done': update_idx + 1, 'epoch_rng': loop.epoch_rng}, epoch, update_idx)
+
+    loop = TrainLoop(
+        task, optimizer,
+        LoopConfig(
+            device=device,
+            accum_steps=args.grad_accum_steps,
+            batch_size=reference_batch,
+            loss_weighting=loss_weighting(args),
+            clip_grad=args.clip_grad,
+            clip_mode=args.clip_mode,
+            log_interval=args.log_interval,
+            recovery_interval=args.recovery_interval,
+            channels_last=args.channels_last,
+            model_dtype=model_dtype,
+            prefetcher=args.prefetcher,
+            synchronize_step=args.synchronize_step,
+            world_size=args.world_size,
+            rank=args.rank,
+            naflex=args.naflex_loader,
+            save_images_dir=output_dir if args.save_images else None,
+        ),
+        amp_autocast=amp.autocast,
+        grad_scaler=grad_scaler,
+        mixup_fn=mixup_fn,
+        lr_scheduler=lr_scheduler,
+        save_recovery=save_recovery if saver is not None else None,
+    )
+    if primary:
+        stepped = 'update' if lr_scheduler is not None and not lr_scheduler.t_in_epochs else 'epoch'
+        _logger.info(f'Scheduled epochs: {num_epochs}, {updates_per_epoch} updates per epoch of '
+                     f'{len(loader_train)} batches (accumulation {args.grad_accum_steps}); LR stepped per {stepped}.')
+
+    # ---- epochs ---------------------------------------------------------------------------------------------------
+    results = []
+    best_metric = best_epoch = None
+    try:
+        for epoch in range(start.epoch, num_epochs):
+            set_loader_epoch(loader_train, epoch)
+            if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
+                disable_mixup(loader_train, mixup_fn)
+            start_update = 0
+            if epoch == start.epoch and start.updates_done:
+                start_update = start.updates_done
+                if start.epoch_rng is not None and not args.distributed:
+                    torch.set_rng_state(start.epoch_rng)  # the interrupted epoch's sample order
+            train_metrics = loop.train_one_epoch(epoch, loader_train, start_update)
+
+            if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+                utils.distribute_bn(task.get_trainable_module(), args.world_size, args.dist_bn == 'reduce')
+
+            if (epoch + 1) % args.val_interval != 0 and epoch + 1 != num_epochs:
+                if primary:
+                    _logger.info('Skipping eval and checkpointing this epoch (--val-interval).')
+                if lr_scheduler is not None:
+                    lr_scheduler.step(epoch + 1, metric=None)
+                continue
+
+            eval_metrics = None
+            if loader_eval is not None:
+                eval_metrics = loop.evaluate(task.get_eval_model(), loader_eval, validate_loss_fn, args.tta)
+                ema_module = task.get_trainable_module(ema=True)
+                if ema_module is not None and not args.model_ema_force_cpu:
+                    if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+                        utils.distribute_bn(ema_module, args.world_size, args.dist_bn == 'reduce')
+                    eval_metrics = loop.evaluate(
+                        task.get_eval_model(ema=True), loader_eval, validate_loss_fn, args.tta, ' (EMA)')
+
+            metric = (eval_metrics or train_metrics)[eval_metric]
+            if output_dir is not None:
+                lrs = [g['lr'] for g in optimizer.param_groups]
+                utils.update_summary(epoch, train_metrics, eval_metrics, os.path.join(output_dir, 'summary.csv'),
+                                     lr=sum(lrs) / len(lrs), log_wandb=args.log_wandb and wandb is not None)
+            if saver is not None:
+                epoch_state = state(epoch, metric)
+                weights = epoch_state.get('state_dict_ema', epoch_state['state_dict'])
+                best_metric, best_epoch = saver.save_epoch(epoch_state, epoch, metric, weights)
+            if lr_scheduler is not None:
+                lr_scheduler.step(epoch + 1, metric)
+            results.append({'epoch': epoch, 'train': train_metrics,
+                            **({'validation': eval_metrics} if eval_metrics is not None else {})})
+    except KeyboardInterrupt:
+        pass
+
+    if args.distributed:
+        torch.distributed.destroy_process_group()
+    if best_metric is not None:
+        _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
+    if primary:
+        ranked = sorted(results, key=lambda r: r.get('validation', r['train']).get(eval_metric, 0),
+                        reverse=decreasing)
+        print(f'--result\n{json.dumps(ranked[-10:], indent=4)}')
+    return 0
+
+
+def loss_weighting(args) -> str:
+    """Micro-batch loss weighting: a true per-sample mean, unless a variable-batch loader asks for timm's modes."""
+    if args.naflex_loader:
+        return args.naflex_loss_scale or 'none'
+    if args.train_img_sizes is not None:
+        return args.variable_batch_loss_scale or 'none'
+    return 'samples'
+
+
+def set_loader_epoch(loader, epoch: int) -> None:
+    """Tell the dataset and sampler the epoch (distributed shuffling, scheduled resolutions)."""
+    if hasattr(loader.dataset, 'set_epoch'):
+        loader.dataset.set_epoch(epoch)
+    if hasattr(loader.batch_sampler, 'set_epoch'):
+        loader.batch_sampler.set_epoch(epoch)
+    elif hasattr(loader.sampler, 'set_epoch'):
+        loader.sampler.set_epoch(epoch)
+
+
+def drop_summary_rows(path: str, from_epoch: int) -> None:
+    """Remove summary.csv rows of epochs a resumed run will train again, keeping the one header."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = lines[:1] + [line for line in lines[1:] if int(line.split(',', 1)[0]) < from_epoch]
+    if len(kept) != len(lines):
+        ckpt.atomic_text(''.join(kept), path)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
