@@ -130,7 +130,9 @@ def train(args, args_text: str) -> int:
         if task.has_ema():
             task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
     if args.distributed:
-        task.prepare_distributed(device_ids=ddp_device_ids(device), broadcast_buffers=not args.no_ddp_bb)
+        # broadcast_buffers is DDP's default; naming it only to turn it off avoids torch's deprecation warning
+        ddp_kwargs = {'broadcast_buffers': False} if args.no_ddp_bb else {}
+        task.prepare_distributed(device_ids=ddp_device_ids(device), **ddp_kwargs)
 
     # ---- schedule and resume point ----------------------------------------------------------------------------
     updates_per_epoch = len(accumulation_windows(len(loader_train), args.grad_accum_steps))
