@@ -11,7 +11,8 @@ import yaml
 from timm.utils import ParseKwargs as TimmParseKwargs
 
 from timm_ext.train_args import (
-    EXTENSIONS_GROUP, args_to_yaml, build_config_parser, build_parser, parse_args, read_config, ConfigError,
+    EXTENSIONS_GROUP, ConfigError, args_to_yaml, build_config_parser, build_parser, config_keys, parse_args,
+    read_config,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -309,3 +310,11 @@ def test_args_to_yaml_matches_stock_format():
     text = args_to_yaml(args)
     assert text == yaml.safe_dump(vars(args), default_flow_style=False)
     assert 'model: test_resnet\n' in text
+
+
+def test_config_keys_are_the_parsed_dests():
+    parser = build_parser()
+    parser.add_argument('--budget', default=None)
+    keys = config_keys(parser)
+    assert keys == set(vars(parse_args([], parser=parser)[0]))
+    assert 'budget' in keys and 'config' not in keys and 'help' not in keys

@@ -16,15 +16,15 @@ ignored.
 """
 import argparse
 import logging
-import numbers
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import yaml
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
 __all__ = [
-    'AMP_DTYPES', 'LR_BASE_SCALES', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser', 'args_to_yaml',
-    'build_config_parser', 'build_parser', 'parse_args', 'read_config', 'validate_args',
+    'AMP_DTYPES', 'EXTENSIONS_GROUP', 'LR_BASE_SCALES', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser',
+    'args_to_yaml', 'build_config_parser', 'build_parser', 'config_keys', 'parse_args', 'read_config',
+    'validate_args',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -184,9 +184,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('-b', '--batch-size', type=int, default=128, metavar='N',
                        help='micro-batch size per process (per device)')
     group.add_argument('-vb', '--validation-batch-size', type=int, default=None, metavar='N',
-                       help='validation batch size per process (default: --batch-size)')
+                       help='images per process in each evaluation step (default: -b)')
     group.add_argument('--channels-last', action='store_true', default=False,
-                       help='use the channels_last memory format')
+                       help='keep activations and weights in NHWC (channels_last) order')
     group.add_argument('--fuser', default='', type=str, metavar='NAME',
                        help="TorchScript fuser: 'te', 'old' or 'nvfuser'")
     group.add_argument('--grad-accum-steps', type=int, default=1, metavar='N',
@@ -234,17 +234,17 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--opt', default='sgd', type=str, metavar='OPTIMIZER',
                        help="timm optimizer name, e.g. 'sgd', 'adamw', 'lamb'")
     group.add_argument('--opt-eps', default=None, type=float, metavar='EPSILON',
-                       help="optimizer epsilon (default: the optimizer's)")
+                       help="epsilon term of adaptive optimizers (unset: the optimizer's own)")
     group.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA',
                        help="optimizer betas (default: the optimizer's)")
     group.add_argument('--momentum', type=float, default=0.9, metavar='M', help='SGD-style momentum')
     group.add_argument('--weight-decay', type=float, default=2e-5, metavar='WD', help='weight decay')
     group.add_argument('--clip-grad', type=float, default=None, metavar='NORM',
-                       help='clip gradients at this value (default: no clipping)')
+                       help='gradient clipping threshold (unset: gradients are not clipped)')
     group.add_argument('--clip-mode', type=str, default='norm', metavar='MODE',
-                       help="gradient clipping mode: 'norm', 'value' or 'agc'")
+                       help="what --clip-grad limits: 'norm' (total norm), 'value' (each element) or 'agc' (adaptive)")
     group.add_argument('--layer-decay', type=float, default=None, metavar='RATE',
-                       help='layer-wise learning rate decay factor')
+                       help='per-layer LR multiplier, applied from the head towards the stem')
     group.add_argument('--layer-decay-min-scale', type=float, default=0, metavar='SCALE',
                        help='lower bound of the layer-wise learning rate scale')
     group.add_argument('--layer-decay-no-opt-scale', type=float, default=None, metavar='SCALE',
@@ -281,7 +281,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--lr-k-decay', type=float, default=1.0, metavar='K', help='k-decay exponent of the LR curve')
     group.add_argument('--warmup-lr', type=float, default=1e-5, metavar='LR', help='learning rate at warmup start')
     group.add_argument('--min-lr', type=float, default=0, metavar='LR', help='floor of the cyclic schedules')
-    group.add_argument('--epochs', type=int, default=300, metavar='N', help='number of epochs to train')
+    group.add_argument('--epochs', type=int, default=300, metavar='N', help='length of the run, in epochs')
     group.add_argument('--epoch-repeats', type=float, default=0., metavar='N',
                        help='repeat each epoch this many times (a multiplier of the epoch length)')
     group.add_argument('--start-epoch', default=None, type=int, metavar='N',
@@ -308,15 +308,17 @@ def _add_augmentation_args(parser: argparse.ArgumentParser) -> None:
                        help='area range of random-resized crops, as fractions of the image')
     group.add_argument('--ratio', type=float, nargs='+', default=[3. / 4., 4. / 3.], metavar='RATIO',
                        help='aspect ratio range of random-resized crops')
-    group.add_argument('--hflip', type=float, default=0.5, metavar='P', help='horizontal flip probability')
-    group.add_argument('--vflip', type=float, default=0., metavar='P', help='vertical flip probability')
+    group.add_argument('--hflip', type=float, default=0.5, metavar='P',
+                       help='chance of mirroring a training image left-right')
+    group.add_argument('--vflip', type=float, default=0., metavar='P',
+                       help='chance of mirroring a training image upside down')
     group.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT', help='color jitter strength')
     group.add_argument('--color-jitter-prob', type=float, default=None, metavar='PCT',
-                       help='probability of applying color jitter')
+                       help='chance that a training image gets color jitter (unset: always)')
     group.add_argument('--grayscale-prob', type=float, default=None, metavar='PCT',
                        help='probability of converting to grayscale')
     group.add_argument('--gaussian-blur-prob', type=float, default=None, metavar='PCT',
-                       help='probability of a gaussian blur')
+                       help='chance that a training image is blurred')
     group.add_argument('--aa', type=str, default=None, metavar='NAME',
                        help="auto-augment policy, e.g. 'rand-m9-mstd0.5'")
     group.add_argument('--aug-repeats', type=float, default=0, metavar='N',
@@ -324,7 +326,8 @@ def _add_augmentation_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--aug-splits', type=int, default=0, metavar='N',
                        help='number of augmentation splits (0 = off, else at least 2)')
     group.add_argument('--jsd-loss', action='store_true', default=False,
-                       help='Jensen-Shannon divergence + CE loss (use with --aug-splits)')
+                       help='add a consistency (JS divergence) term between augmentation splits to the '
+                            'cross-entropy; needs --aug-splits')
     group.add_argument('--bce-loss', action='store_true', default=False, help='binary cross-entropy loss')
     group.add_argument('--bce-sum', action='store_true', default=False,
                        help='sum the BCE loss over classes instead of averaging')
@@ -336,7 +339,7 @@ def _add_augmentation_args(parser: argparse.ArgumentParser) -> None:
                        help="random erasing fill mode: 'const', 'rand' or 'pixel'")
     group.add_argument('--recount', type=int, default=1, metavar='N', help='random erasing count')
     group.add_argument('--resplit', action='store_true', default=False,
-                       help='no random erasing on the first augmentation split')
+                       help='keep the first augmentation split free of random erasing')
     group.add_argument('--mixup', type=float, default=0.0, metavar='ALPHA', help='mixup alpha (0 = off)')
     group.add_argument('--cutmix', type=float, default=0.0, metavar='ALPHA', help='cutmix alpha (0 = off)')
     group.add_argument('--cutmix-minmax', type=float, nargs='+', default=None, metavar='RATIO',
@@ -346,7 +349,8 @@ def _add_augmentation_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--mixup-switch-prob', type=float, default=0.5, metavar='P',
                        help='probability of cutmix instead of mixup when both are on')
     group.add_argument('--mixup-mode', type=str, default='batch', metavar='MODE',
-                       help="how mixup/cutmix params are drawn: 'batch', 'pair' or 'elem'")
+                       help="how often mixup/cutmix draws its mixing: once per 'batch', per 'pair' of samples, "
+                            "or per sample ('elem')")
     group.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N',
                        help='turn mixup off from this epoch on (0 = never)')
     group.add_argument('--smoothing', type=float, default=0.1, metavar='EPS', help='label smoothing')
@@ -368,9 +372,10 @@ def _add_batch_norm_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--sync-bn', action='store_true', default=False,
                        help='synchronize BatchNorm statistics across processes')
     group.add_argument('--dist-bn', type=str, default='reduce', metavar='MODE',
-                       help="BatchNorm stats between processes after each epoch: 'broadcast', 'reduce' or ''")
+                       help="sync BatchNorm running stats across ranks at epoch end: 'reduce' (average), "
+                            "'broadcast' (rank 0's) or '' (off)")
     group.add_argument('--split-bn', action='store_true', default=False,
-                       help='separate BatchNorm layers per augmentation split')
+                       help='give each augmentation split its own BatchNorm statistics')
 
 
 def _add_ema_args(parser: argparse.ArgumentParser) -> None:
@@ -393,7 +398,8 @@ def _add_misc_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--val-interval', type=int, default=1, metavar='N', help='validate every N epochs')
     group.add_argument('--recovery-interval', type=int, default=0, metavar='N',
                        help='save a recovery checkpoint every N batches (0 = off)')
-    group.add_argument('--checkpoint-hist', type=int, default=10, metavar='N', help='number of best checkpoints kept')
+    group.add_argument('--checkpoint-hist', type=int, default=10, metavar='N',
+                       help='how many top-scoring epoch checkpoints stay on disk')
     group.add_argument('-j', '--workers', type=int, default=4, metavar='N', help='data loader processes')
     group.add_argument('--save-images', action='store_true', default=False,
                        help='save images of the first training batches')
@@ -410,7 +416,8 @@ def _add_misc_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--use-multi-epochs-loader', action='store_true', default=False,
                        help='keep data loader workers alive across epochs')
     group.add_argument('--log-wandb', action='store_true', default=False, help='log metrics to Weights & Biases')
-    group.add_argument('--wandb-project', default=None, type=str, metavar='NAME', help='W&B project name')
+    group.add_argument('--wandb-project', default=None, type=str, metavar='NAME',
+                       help='Weights & Biases project to log into')
     group.add_argument('--wandb-tags', default=[], type=str, nargs='+', metavar='TAG', help='W&B run tags')
     group.add_argument('--wandb-resume-id', default='', type=str, metavar='ID', help='W&B run id to resume')
     # Variable image/batch size training
@@ -432,7 +439,7 @@ def _add_misc_args(parser: argparse.ArgumentParser) -> None:
                        help='loss scaling by batch size in variable-size training')
     # NaFlex (variable resolution, patch sequence) loading
     group.add_argument('--naflex-loader', action='store_true', default=False,
-                       help='use the NaFlex loader (for NaFlex ViT models)')
+                       help='load variable-resolution patch sequences (NaFlex ViT models only)')
     group.add_argument('--naflex-train-seq-lens', type=int, nargs='+', default=[128, 256, 576, 784, 1024],
                        metavar='LEN', help='patch sequence lengths to train at')
     group.add_argument('--naflex-max-seq-len', type=int, default=576, metavar='LEN',
@@ -464,7 +471,8 @@ def _add_distillation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--kd-teacher-feature-dim', default=None, type=int, metavar='N',
                         help="teacher feature size for feature distillation (default: the model's)")
     parser.add_argument('--kd-token-distill-type', default='soft', type=str, choices=['soft', 'hard'],
-                        help='token distillation: soft (KL with temperature) or hard (CE on teacher argmax)')
+                        help="with 'token' distillation: 'soft' matches tempered teacher probabilities, "
+                             "'hard' its top class")
 
 
 def _add_extension_args(parser: argparse.ArgumentParser) -> None:
@@ -517,11 +525,19 @@ def _config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
     }
 
 
+def config_keys(parser: argparse.ArgumentParser) -> set[str]:
+    """Dest names a `-c/--config` file may set for `parser`: every argument but help and config itself.
+
+    Handy for writing a config for another parser, e.g. keeping only train.py's keys of tune_batch.py's args.
+    """
+    return set(_config_actions(parser))
+
+
 def _expected_kind(action: argparse.Action, value: Any) -> str | None:
     """What a config value for `action` should be, when `value` is not that; None when it is acceptable.
 
     Mirrors what the command line can produce, so a bad value fails here rather than deep inside training.
-    Strings for scalar int/float flags are left to argparse, which converts string defaults with the flag's type.
+    A string for a scalar int/float flag passes: argparse converts string defaults with the flag's type, as stock.
     """
     if value is None:
         return None
@@ -530,37 +546,32 @@ def _expected_kind(action: argparse.Action, value: Any) -> str | None:
     if action.nargs == 0:
         return None if isinstance(value, bool) else 'true or false'
     many = action.nargs in ('+', '*') or isinstance(action.nargs, int)
-    if many:
-        if not isinstance(value, list):
-            return 'a list'
-        if isinstance(action.nargs, int) and len(value) != action.nargs:
-            return f'a list of {action.nargs} values'
-        items = value
-    else:
-        if isinstance(value, (list, dict)):
-            return 'a single value'
-        items = [value]
-    kind = _item_kind(action.type)
-    for item in items:
-        if kind == 'integer':
-            ok = isinstance(item, int) or (not many and isinstance(item, str))
-        elif kind == 'number':
-            ok = isinstance(item, numbers.Real) or (not many and isinstance(item, str))
-        elif kind == 'string':
-            ok = isinstance(item, str)
-        else:
-            ok = True  # a caller's own type: trust it
-        if isinstance(item, bool) and kind is not None:
-            ok = False
-        if not ok:
-            return f'a list of {kind}s' if many else f'a {kind}' if kind != 'integer' else 'an integer'
-        if action.choices is not None and isinstance(item, str) and kind == 'string' and item not in action.choices:
-            return 'one of ' + ', '.join(repr(c) for c in action.choices)
+    if many and not isinstance(value, list):
+        return 'a list'
+    if many and isinstance(action.nargs, int) and len(value) != action.nargs:
+        return f'a list of {action.nargs} values'
+    if not many and isinstance(value, (list, dict)):
+        return 'a single value'
+    kind = _KIND_NAMES.get(action.type)
+    if kind is None:
+        return None  # a caller's own type function: nothing to check against
+    items = value if many else [value]
+    if not all(_is_kind(item, kind, string_converts=not many) for item in items):
+        return f'a list of {kind}s' if many else ('an ' if kind == 'integer' else 'a ') + kind
+    if action.choices is not None and any(item not in action.choices for item in items):
+        return 'one of ' + ', '.join(repr(c) for c in action.choices)
     return None
 
 
-def _item_kind(type_: Callable | None) -> str | None:
-    return {int: 'integer', float: 'number', str: 'string', None: 'string'}.get(type_)
+_KIND_NAMES = {int: 'integer', float: 'number', str: 'string', None: 'string'}
+
+
+def _is_kind(item: Any, kind: str, string_converts: bool) -> bool:
+    if isinstance(item, bool):  # YAML true/false is never a number or a string here
+        return False
+    if isinstance(item, str):
+        return kind == 'string' or string_converts
+    return (kind == 'integer' and isinstance(item, int)) or (kind == 'number' and isinstance(item, (int, float)))
 
 
 def _check_config(parser: argparse.ArgumentParser, config: Mapping[str, Any], path: str) -> dict[str, Any]:
