@@ -66,6 +66,7 @@ def train(args, args_text: str) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
     args.prefetcher = not args.no_prefetcher
+    resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None  # fail fast on a bad file
 
     device = init_device(args)
     primary = utils.is_primary(args)
@@ -114,7 +115,6 @@ def train(args, args_text: str) -> int:
                      f'weight decay {args.weight_decay:g}.')
     grad_scaler = torch.amp.GradScaler(device.type) if amp.use_grad_scaler else None
 
-    resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None
     if resumed is not None:
         ckpt.restore_model(task, resumed)
         if not args.no_resume_opt:
@@ -219,7 +219,7 @@ def train(args, args_text: str) -> int:
             if epoch == start.epoch and start.updates_done:
                 start_update = start.updates_done
                 if start.epoch_rng is not None and not args.distributed:
-                    torch.set_rng_state(start.epoch_rng)  # the interrupted epoch's sample order
+                    ckpt.set_rng_state(start.epoch_rng)  # replay the interrupted epoch's order and augmentation
             train_metrics = loop.train_one_epoch(epoch, loader_train, start_update)
 
             if args.distributed and args.dist_bn in ('broadcast', 'reduce'):

@@ -193,7 +193,7 @@ class ResumePoint:
     """Where a resumed run starts: ``epoch``, after ``updates_done`` optimizer updates of that epoch."""
     epoch: int
     updates_done: int = 0
-    epoch_rng: Optional[torch.Tensor] = None
+    epoch_rng: Optional[Dict[str, Any]] = None
 
 
 def resume_point(checkpoint: Dict[str, Any]) -> ResumePoint:

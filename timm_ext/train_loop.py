@@ -23,6 +23,7 @@ import torchvision.utils
 from timm.utils import accuracy, dispatch_clip_grad
 
 from .accum import accumulation_windows
+from .checkpoint import rng_state
 from .distributed import reduce_mean, reduce_sum
 
 _logger = logging.getLogger('train')
@@ -119,7 +120,7 @@ class TrainLoop:
         self.lr_scheduler = lr_scheduler
         self.save_recovery = save_recovery
         self.second_order = getattr(optimizer, 'is_second_order', False)
-        self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG state when the current epoch's loader started
+        self.epoch_rng: Optional[Dict[str, Any]] = None  # RNG states when the current epoch's loader started
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class TrainLoop:
         self.task.get_trainable_module().train()
         self.optimizer.zero_grad(set_to_none=True)
 
-        self.epoch_rng = torch.get_rng_state()
+        self.epoch_rng = rng_state()  # a recovery checkpoint replays the epoch's sample order from here
         batches: Iterator = iter(loader)
         if start_update:
             skip = windows[start_update].start if start_update < updates_per_epoch else len(loader)
