@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 from timm.models import clean_state_dict
 
-__all__ = ['WeightsError', 'CheckpointWeights', 'read_weights', 'load_weights']
+__all__ = ['WeightsError', 'CheckpointWeights', 'read_weights', 'load_weights', 'checkpoint_num_classes']
 
 _logger = logging.getLogger(__name__)
 
@@ -96,6 +96,18 @@ def read_weights(path: str, use_ema: bool = False) -> CheckpointWeights:
     return CheckpointWeights(clean_state_dict(content[source]), source,
                              arch if isinstance(arch, str) else None,
                              num_classes if isinstance(num_classes, int) else None)
+
+
+def checkpoint_num_classes(weights: CheckpointWeights, model_name: str) -> Optional[int]:
+    """The class count the weights were trained with: recorded in the checkpoint's args, else the row count of the
+    model's classifier weight in the state dict (safetensors exports record nothing else). None when unknown."""
+    if weights.num_classes is not None:
+        return weights.num_classes
+    from timm.models import get_pretrained_cfg_value
+    head = get_pretrained_cfg_value(model_name, 'classifier')
+    head = head[0] if isinstance(head, (list, tuple)) and head else head
+    tensor = weights.state_dict.get(f'{head}.weight') if isinstance(head, str) else None
+    return int(tensor.shape[0]) if tensor is not None and tensor.dim() >= 1 else None
 
 
 def _mismatch_summary(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> str:
