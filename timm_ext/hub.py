@@ -78,12 +78,7 @@ def pretrained_unavailable(model_name: str, timeout: float = 3.0) -> Optional[st
 def is_download_error(exc: BaseException) -> bool:
     """True when `exc` (or what it wraps) is a failed weights download: no network, host down, offline mode."""
     import urllib.error
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror, urllib.error.URLError)):
-            return True
-        if type(exc).__module__.startswith(('huggingface_hub', 'requests', 'httpx', 'urllib3')):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    from .oom import _exception_chain
+    return any(isinstance(e, (ConnectionError, TimeoutError, socket.gaierror, urllib.error.URLError))
+               or type(e).__module__.startswith(('huggingface_hub', 'requests', 'httpx', 'urllib3'))
+               for e in _exception_chain(exc))

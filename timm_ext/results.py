@@ -8,8 +8,9 @@ order, and the file is written under a temporary name, fsynced and renamed over 
 import csv
 import io
 import json
-import os
 from typing import Any, Dict, List, Sequence, Union
+
+from .checkpoint import atomic_text
 
 __all__ = ['RESULT_FORMATS', 'results_text', 'write_results']
 
@@ -43,15 +44,4 @@ def results_text(results: Union[Row, Sequence[Row]], fmt: str = 'csv') -> str:
 
 def write_results(path: str, results: Union[Row, Sequence[Row]], fmt: str = 'csv') -> None:
     """Write results to `path` atomically: readers see the old file or the complete new one, never a part."""
-    text = results_text(results, fmt)
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f'.{os.path.basename(path)}.{os.getpid()}.tmp')
-    try:
-        with open(tmp, 'w', newline='') as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_text(results_text(results, fmt), path)

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 from timm.models import clean_state_dict
 
-__all__ = ['WeightsError', 'CheckpointWeights', 'read_weights', 'load_weights', 'checkpoint_num_classes']
+__all__ = ['WeightsError', 'CheckpointWeights', 'one_line', 'read_weights', 'load_weights', 'checkpoint_num_classes']
 
 _logger = logging.getLogger(__name__)
 
@@ -39,9 +39,10 @@ class CheckpointWeights:
     num_classes: Optional[int] = None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (its type name when empty), cut to `limit` characters."""
     text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:160]
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
 
 
 def _is_state_dict(obj: Any) -> bool:
@@ -73,7 +74,7 @@ def read_weights(path: str, use_ema: bool = False) -> CheckpointWeights:
     try:
         content = _load_file(path)
     except Exception as e:  # truncated zips, pickles, headers: each library raises its own types
-        raise WeightsError(f'cannot read checkpoint {path} ({type(e).__name__}: {_one_line(e)}); '
+        raise WeightsError(f'cannot read checkpoint {path} ({type(e).__name__}: {one_line(e)}); '
                            f'it is not a complete .pth.tar/.pth/.safetensors weights file') from None
 
     if _is_state_dict(content):
