@@ -34,7 +34,8 @@ from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import (
     SetupError, UsageError, build_datasets, build_eval_loader, build_model, build_task, build_train_loader,
-    build_train_loss, check_arg_combinations, disable_mixup, experiment_name, input_img_mode, resolve_model_dtype,
+    build_train_loss, check_arg_combinations, check_compile_backend, disable_mixup, experiment_name, input_img_mode,
+    resolve_model_dtype,
 )
 
 try:
@@ -48,15 +49,24 @@ _logger = logging.getLogger('train')
 def main() -> int:
     utils.setup_default_logging()
     args, args_text = parse_args()
+    prog = os.path.basename(sys.argv[0])
     try:
         check_arg_combinations(args)
         return train(args, args_text)
     except UsageError as e:
-        print(f'{os.path.basename(sys.argv[0])}: error: {e}', file=sys.stderr)
+        print(f'{prog}: error: {e}', file=sys.stderr)
         return 2
     except (SetupError, DeviceError, ckpt.CheckpointError) as e:
-        print(f'{os.path.basename(sys.argv[0])}: error: {e}', file=sys.stderr)
+        print(f'{prog}: error: {e}', file=sys.stderr)
         return 1
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        reason = ' '.join(str(e).split())[:200]
+        print(f'{prog}: error: --torchcompile {args.torchcompile} could not compile the model ({reason}); '
+              f'run without --torchcompile or pick another backend', file=sys.stderr)
+        return 1
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def train(args, args_text: str) -> int:
@@ -126,6 +136,7 @@ def train(args, args_text: str) -> int:
         if resumed is not None:
             ckpt.restore_model(task, resumed, ema=True)
     if args.torchcompile:
+        check_compile_backend(args.torchcompile, device)
         task.compile(backend=args.torchcompile, mode=args.torchcompile_mode)
         if task.has_ema():
             task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
@@ -258,8 +269,6 @@ def train(args, args_text: str) -> int:
     except KeyboardInterrupt:
         pass
 
-    if args.distributed:
-        torch.distributed.destroy_process_group()
     if best_metric is not None:
         _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
     if primary:

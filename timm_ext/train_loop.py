@@ -127,6 +127,10 @@ class TrainLoop:
     def prepare_batch(self, input: Any, target: torch.Tensor) -> Tuple[Any, torch.Tensor]:
         """Move a batch to the device and apply mixup when the loader did not; channels_last if asked."""
         if not self.cfg.prefetcher:
+            if isinstance(input, (list, tuple)):
+                # --aug-splits without the prefetcher's collate: stack the splits split-major, as fast_collate does
+                target = target.repeat((len(input),) + (1,) * (target.ndim - 1))
+                input = torch.cat(input)
             input = input.to(device=self.cfg.device, dtype=self.cfg.model_dtype)
             target = target.to(device=self.cfg.device)
             if self.mixup_fn is not None:

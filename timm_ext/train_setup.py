@@ -65,6 +65,16 @@ def check_arg_combinations(args: argparse.Namespace) -> None:
             raise UsageError(message)
 
 
+def check_compile_backend(backend: str, device: torch.device) -> None:
+    """Refuse a --torchcompile backend torch does not know, or one that needs CUDA on another device."""
+    import torch._dynamo
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        usual = ', '.join(torch._dynamo.list_backends())  # without debug and experimental ones
+        raise UsageError(f'--torchcompile {backend!r} is not a torch.compile backend; use one of: {usual}')
+    if backend == 'cudagraphs' and device.type != 'cuda':
+        raise UsageError('--torchcompile cudagraphs needs a CUDA device; use inductor (the default) or eager')
+
+
 def _mixup_active(args: argparse.Namespace) -> bool:
     return args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
 
@@ -144,6 +154,9 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
     if args.distributed and args.sync_bn:
+        if device.type == 'cpu':
+            raise UsageError('--sync-bn needs accelerator devices (torch SyncBatchNorm refuses CPU modules); '
+                             'drop it, --dist-bn reduce averages BN statistics after each epoch instead')
         args.dist_bn = ''  # synced statistics need no end-of-epoch distribution
         model = convert_sync_batchnorm(model)
         if args.rank == 0:
@@ -286,7 +299,9 @@ def build_train_loader(
         if mix is not None:
             from timm.data import NaFlexMixup
             naflex_mixup = NaFlexMixup(**{k: v for k, v in mix.items() if k not in ('mode', 'cutmix_minmax')})
-        patch_size = model.get_patch_size() if hasattr(model, 'get_patch_size') else None
+        if not hasattr(model, 'get_patch_size'):
+            raise SetupError(f'--naflex-loader needs a NaFlex model (naflexvit_*) that takes patch dicts; '
+                             f'{args.model!r} takes image tensors')
         patch_kwargs = {}
         if args.naflex_patch_sizes:
             patch_kwargs['patch_size_choices'] = args.naflex_patch_sizes
@@ -295,10 +310,7 @@ def build_train_loader(
                     raise UsageError('--naflex-patch-size-probs needs one value per --naflex-patch-sizes entry')
                 patch_kwargs['patch_size_choice_probs'] = args.naflex_patch_size_probs
         else:
-            if patch_size is None:
-                patch_size = (16, 16)
-                _logger.warning(f'Model has no get_patch_size(); NaFlex uses patch size {patch_size}.')
-            patch_kwargs['patch_size'] = patch_size
+            patch_kwargs['patch_size'] = model.get_patch_size()
         loader = create_naflex_loader(
             dataset=dataset,
             train_seq_lens=args.naflex_train_seq_lens,
@@ -372,10 +384,9 @@ def build_eval_loader(
         crop_pct=data_config['crop_pct'],
     )
     if args.naflex_loader:
-        patch_size = model.get_patch_size() if hasattr(model, 'get_patch_size') else (16, 16)
         return create_naflex_loader(
             dataset=dataset,
-            patch_size=patch_size,
+            patch_size=model.get_patch_size(),
             max_seq_len=args.naflex_max_seq_len,
             patchify_channels_last=not args.naflex_patchify_channels_first,
             **common,
