@@ -69,8 +69,8 @@ def check_compile_backend(backend: str, device: torch.device) -> None:
     """Refuse a --torchcompile backend torch does not know, or one that needs CUDA on another device."""
     import torch._dynamo
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        usual = ', '.join(torch._dynamo.list_backends())  # without debug and experimental ones
-        raise UsageError(f'--torchcompile {backend!r} is not a torch.compile backend; use one of: {usual}')
+        raise UsageError(f'--torchcompile {backend!r} is not a torch.compile backend; use inductor (the default), '
+                         f'aot_eager or eager (torch._dynamo.list_backends() lists the others)')
     if backend == 'cudagraphs' and device.type != 'cuda':
         raise UsageError('--torchcompile cudagraphs needs a CUDA device; use inductor (the default) or eager')
 
