@@ -1,0 +1,303 @@
+"""Memory budgets, caps that make a real out-of-memory happen at the budget, and peak-memory measurement.
+
+A probe needs the process to fail for real when a batch needs more than the budget, and to measure how close each
+fitting batch came to it:
+
+* CUDA: `torch.cuda.set_per_process_memory_fraction` caps the caching allocator at budget / device total, so a
+  larger batch raises `torch.OutOfMemoryError`. The budget counts everything this process allocates on the device
+  (weights included). Peak: `torch.cuda.max_memory_allocated` since the last reset.
+* CPU (Linux): `RLIMIT_DATA` set to the process's current data segment (VmData) + budget, so PyTorch's allocator gets
+  ENOMEM and raises "DefaultCPUAllocator: can't allocate memory". The budget counts memory *above* what the process
+  holds when the cap is set (model, optimizer, libraries are already there). Peak: the kernel's resident-set
+  high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs) above the resident set at cap time. RSS is
+  what the step really touched; VmData (what the cap counts) also holds reserved but untouched pages, so the peak
+  reads a little below the cap's count, never above it.
+
+`memory_cap` always restores the previous limit on exit, Ctrl-C included.
+"""
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import re
+import resource
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import torch
+
+__all__ = [
+    'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
+    'device_name', 'memory_cap', 'free_memory', 'proc_status',
+]
+
+_logger = logging.getLogger(__name__)
+
+_UNITS = {
+    '': 1, 'b': 1,
+    'k': 1 << 10, 'kib': 1 << 10, 'kb': 10 ** 3,
+    'm': 1 << 20, 'mib': 1 << 20, 'mb': 10 ** 6,
+    'g': 1 << 30, 'gib': 1 << 30, 'gb': 10 ** 9,
+    't': 1 << 40, 'tib': 1 << 40, 'tb': 10 ** 12,
+}
+_BUDGET_RE = re.compile(r'^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*|%)\s*$', re.IGNORECASE)
+
+DeviceLike = Union[str, torch.device]
+
+
+class BudgetError(ValueError):
+    """A memory budget that cannot be parsed or cannot be had on the device; the message is one line."""
+
+
+def format_bytes(num_bytes: Optional[float]) -> str:
+    """Human-readable size in binary units, e.g. '1.50 GiB'; '-' for None."""
+    if num_bytes is None:
+        return '-'
+    value = float(num_bytes)
+    for unit in ('B', 'KiB', 'MiB', 'GiB'):
+        if abs(value) < 1024:
+            return f'{value:.0f} {unit}' if unit == 'B' else f'{value:.2f} {unit}'
+        value /= 1024
+    return f'{value:.2f} TiB'
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A budget as the user wrote it: an absolute size in bytes, or a fraction of the device's memory.
+
+    Exactly one of `num_bytes` and `fraction` is set.
+    """
+    num_bytes: Optional[int] = None
+    fraction: Optional[float] = None
+
+    def resolve(self, device: DeviceLike) -> int:
+        """The budget in bytes on `device`.
+
+        Raises:
+            BudgetError: The budget is larger than the device's memory.
+        """
+        total = device_total_memory(device)
+        if self.fraction is not None:
+            return int(total * self.fraction)
+        if self.num_bytes > total:
+            what = 'memory the system can still give (MemAvailable)' if _device(device).type == 'cpu' else 'memory'
+            raise BudgetError(f'memory budget {format_bytes(self.num_bytes)} is larger than the {what} of '
+                              f'{device_name(device)}: {format_bytes(total)}; pass a smaller --mem-budget '
+                              f'or a fraction such as 0.8')
+        return self.num_bytes
+
+    def __str__(self) -> str:
+        return f'{self.fraction:g} of device memory' if self.fraction is not None else format_bytes(self.num_bytes)
+
+
+def parse_budget(text: Union[str, float, int]) -> MemoryBudget:
+    """Parse a budget: a size with a unit ('12GiB', '500MB', '2g') or a fraction of the device ('0.8', '80%').
+
+    A number without a unit must be a fraction in (0, 1]: a bare '12' is refused rather than read as 12 bytes.
+
+    Raises:
+        BudgetError: The text is not a size or a fraction, or is not positive.
+    """
+    raw = str(text)
+    match = _BUDGET_RE.match(raw)
+    if not match:
+        raise BudgetError(f"memory budget {raw!r} is not a size or a fraction; write e.g. '12GiB', '500MB' or '0.8'")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    if value <= 0:
+        raise BudgetError(f'memory budget {raw!r} must be positive')
+    if unit == '%':
+        value, unit = value / 100, ''
+        if value > 1:
+            raise BudgetError(f'memory budget {raw!r} is more than 100% of the device; use at most 100%')
+        return MemoryBudget(fraction=value)
+    if unit == '':
+        if value > 1:
+            raise BudgetError(f"memory budget {raw!r} has no unit; write a size such as '{raw}GiB' or a fraction "
+                              f"of device memory in (0, 1] such as '0.8'")
+        return MemoryBudget(fraction=value)
+    if unit not in _UNITS:
+        raise BudgetError(f"memory budget {raw!r}: unknown unit {match.group(2)!r}; use B, KiB, MiB, GiB, TiB "
+                          f"(or KB, MB, GB, TB)")
+    return MemoryBudget(num_bytes=int(value * _UNITS[unit]))
+
+
+def _device(device: DeviceLike) -> torch.device:
+    device = torch.device(device)
+    if device.type == 'cuda' and device.index is None:
+        device = torch.device('cuda', torch.cuda.current_device())
+    return device
+
+
+def proc_status(*keys: str) -> dict:
+    """Fields of /proc/self/status in bytes (e.g. 'VmData', 'VmRSS', 'VmHWM'); Linux only."""
+    values = {}
+    with open('/proc/self/status') as f:
+        for line in f:
+            key, _, rest = line.partition(':')
+            if key in keys:
+                values[key] = int(rest.split()[0]) * 1024  # the kernel reports kB
+    return values
+
+
+def _meminfo(key: str) -> int:
+    with open('/proc/meminfo') as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def device_total_memory(device: DeviceLike) -> int:
+    """Memory a budget is measured against: the CUDA device's total, or on CPU what the system can still give.
+
+    CPU uses MemAvailable, not MemTotal: a budget beyond it would meet the kernel's OOM killer, which cannot be
+    caught, instead of a catchable allocation failure.
+    """
+    device = _device(device)
+    if device.type == 'cuda':
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == 'cpu':
+        _require_linux()
+        return _meminfo('MemAvailable')
+    raise BudgetError(f'memory budgets are supported on cuda and cpu devices, not {device.type}')
+
+
+def device_name(device: DeviceLike) -> str:
+    """A name for the device that identifies the hardware (for logs and cache keys)."""
+    device = _device(device)
+    if device.type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    if device.type == 'cpu':
+        return f'cpu ({os.cpu_count()} cores, {format_bytes(_meminfo("MemTotal") if sys.platform == "linux" else 0)})'
+    return str(device)
+
+
+def _require_linux() -> None:
+    if sys.platform != 'linux':
+        raise BudgetError('CPU memory caps need Linux (RLIMIT_DATA and /proc); on this system probe on a CUDA '
+                          'device or pass --batch-size directly')
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """A cap in force: what it allows and where usage is counted from.
+
+    Attributes:
+        device: The capped device.
+        budget: Bytes the budget allows (CPU: above `baseline`; CUDA: in total).
+        baseline: CPU: resident set when the cap was set, the zero of peak measurements; CUDA: 0.
+    """
+    device: torch.device
+    budget: int
+    baseline: int
+
+
+@contextmanager
+def memory_cap(device: DeviceLike, budget: int) -> Iterator[MemoryCap]:
+    """Cap the memory this process may take on `device` at `budget` bytes while the block runs.
+
+    CPU: RLIMIT_DATA = current VmData + budget (never above the hard limit). CUDA: the allocator's per-process
+    fraction = budget / total. The previous limit is restored on exit, however the block ends.
+
+    Raises:
+        BudgetError: The budget is larger than the CUDA device, or the device type cannot be capped.
+    """
+    device = _device(device)
+    if budget <= 0:
+        raise BudgetError(f'memory budget must be positive, got {budget} bytes')
+    if device.type == 'cuda':
+        total = torch.cuda.get_device_properties(device).total_memory
+        if budget > total:
+            raise BudgetError(f'memory budget {format_bytes(budget)} is larger than {device_name(device)} '
+                              f'({format_bytes(total)}); pass a smaller --mem-budget')
+        previous = torch.cuda.get_per_process_memory_fraction(device)
+        torch.cuda.empty_cache()  # cached blocks above the new cap would otherwise stay usable
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        try:
+            yield MemoryCap(device, budget, 0)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(previous, device)
+        return
+    if device.type != 'cpu':
+        raise BudgetError(f'memory caps are supported on cuda and cpu devices, not {device.type}')
+    _require_linux()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    status = proc_status('VmData', 'VmRSS')
+    limit = status['VmData'] + budget
+    if hard != resource.RLIM_INFINITY and limit > hard:
+        _logger.warning(f'RLIMIT_DATA hard limit {format_bytes(hard)} is below the asked cap; capping there.')
+        limit = hard
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        yield MemoryCap(device, budget, status['VmRSS'])
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+class PeakMeter:
+    """Peak memory of the work done since `reset()`, in the units a budget on the device counts.
+
+    CUDA: `torch.cuda.max_memory_allocated` (all of this process's tensors on the device).
+    CPU: VmHWM (resident high-water mark, reset through /proc/self/clear_refs) minus `baseline`. Where
+    clear_refs cannot be written (some sandboxes), `peak()` returns None: unknown, not zero.
+
+    Args:
+        device: The device to measure.
+        baseline: CPU: bytes to subtract (the resident set when a cap was set); CUDA: ignored.
+    """
+
+    def __init__(self, device: DeviceLike, baseline: int = 0):
+        self.device = _device(device)
+        self.baseline = baseline
+        self._resettable = True
+
+    def reset(self) -> None:
+        if self.device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == 'cpu' and self._resettable:
+            try:
+                with open('/proc/self/clear_refs', 'w') as f:
+                    f.write('5')  # 5: reset the resident-set high-water mark to the current resident set
+            except OSError:
+                self._resettable = False
+
+    def peak(self) -> Optional[int]:
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.device.type == 'cpu' and self._resettable and sys.platform == 'linux':
+            return max(0, proc_status('VmHWM')['VmHWM'] - self.baseline)
+        return None
+
+
+_libc = None
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap pages back to the OS (glibc), so a failed large batch does not inflate the next trial."""
+    global _libc
+    if sys.platform != 'linux':
+        return
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+def free_memory(device: DeviceLike) -> None:
+    """Release what freed tensors left behind: Python garbage, the CUDA cache and peak stats, glibc's free heap."""
+    device = _device(device)
+    gc.collect()
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == 'cpu':
+        _malloc_trim()

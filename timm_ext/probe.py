@@ -1,0 +1,415 @@
+"""Find the largest batch that fits: a grow-then-bisect search over real trials, the trial table, the choice.
+
+A trial runs one batch size for real (a training step, or an eval forward) and reports a :class:`Trial`: fit or
+OOM (or another error), peak memory, ms per step and samples/s. :func:`search_batch_size` grows the size x2 from
+`start` until the first failure (or `max_batch`), then bisects on a grid between the last fit and the first failure;
+it knows nothing of models, so training trials (tune_batch.py) and eval trials (validate.py) share it. With
+`start == max_batch` it probes down from an asked size. :func:`select_batch_size` turns the table into a choice:
+the largest size that fits within the headroom, or the smallest one within a tolerance of the best throughput.
+
+Under torchrun, wrap the trial with :func:`agree_across_ranks`: each rank runs it, then one collective shares every
+rank's outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes
+the same (the worst) outcome, hence the same path through the search and the same answer.
+"""
+import json
+import logging
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .batch_decay import batch_descent, decay_batch_step
+from .memory import PeakMeter, format_bytes, free_memory
+from .oom import is_oom
+
+__all__ = [
+    'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
+    'Selection', 'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
+    'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES',
+]
+
+_logger = logging.getLogger(__name__)
+
+SELECT_MODES = ('max', 'throughput')
+FIT, OOM, ERROR = 'fit', 'oom', 'error'
+
+
+@dataclass
+class Trial:
+    """One batch size, tried for real.
+
+    Attributes:
+        batch_size: Samples per step (per rank).
+        status: 'fit', 'oom' or 'error' (a failure that is not out-of-memory).
+        peak_bytes: Peak memory of the step in the budget's units (see `timm_ext.memory.PeakMeter`); None if
+            unknown or the step failed.
+        ms_per_step: Wall time of one timed step in milliseconds (fits only).
+        samples_per_s: batch_size / step time (x world size under DDP), fits only.
+        error: One line naming the failure ('' for a fit).
+        accepted: Set by the search: the trial fits and is within the headroom.
+    """
+    batch_size: int
+    status: str
+    peak_bytes: Optional[int] = None
+    ms_per_step: Optional[float] = None
+    samples_per_s: Optional[float] = None
+    error: str = ''
+    accepted: Optional[bool] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.status == FIT
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> 'Trial':
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+TrialFn = Callable[[int], Trial]
+
+
+class BatchGrid:
+    """The batch sizes a search may try. Subclasses say which sizes are on the grid."""
+
+    def snap(self, size: int) -> int:
+        """The largest grid size <= `size` (at least the smallest grid size)."""
+        raise NotImplementedError
+
+    def upper(self, max_batch: int) -> int:
+        """The largest size the search may try under a `max_batch` limit."""
+        return self.snap(max_batch)
+
+    def between(self, low: int, high: int) -> List[int]:
+        """Grid sizes strictly between `low` and `high`, ascending."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DecayGrid(BatchGrid):
+    """timm's decay grid (`decay_batch_step`): powers of two with `num_intra_steps` even steps between them.
+
+    A `max_batch` limit is tried as it is, on the grid or not, so an asked size (validate's -b, a dataset size) is
+    tried before anything smaller, as the stock decay does.
+    """
+    num_intra_steps: int = 2
+    no_odd: bool = False
+
+    def snap(self, size: int) -> int:
+        below = decay_batch_step(size + 1, self.num_intra_steps, self.no_odd)
+        return max(below, 2 if self.no_odd else 1)
+
+    def upper(self, max_batch: int) -> int:
+        return max_batch
+
+    def between(self, low: int, high: int) -> List[int]:
+        return sorted(s for s in batch_descent(high, self.num_intra_steps, self.no_odd)[1:] if s > low)
+
+
+@dataclass(frozen=True)
+class MultipleGrid(BatchGrid):
+    """Every multiple of `multiple` (--batch-multiple), e.g. 8 for tensor-core friendly shapes."""
+    multiple: int = 8
+
+    def __post_init__(self):
+        if self.multiple < 1:
+            raise ValueError(f'batch multiple must be >= 1, got {self.multiple}')
+
+    def snap(self, size: int) -> int:
+        return max(self.multiple, size // self.multiple * self.multiple)
+
+    def between(self, low: int, high: int) -> List[int]:
+        first = (low // self.multiple + 1) * self.multiple
+        return list(range(max(first, self.multiple), high, self.multiple))
+
+
+class ProbeError(Exception):
+    """The probe could not choose a batch size; the message is one line. `trials` holds the table so far."""
+
+    def __init__(self, message: str, trials: Sequence[Trial] = ()):
+        super().__init__(message)
+        self.trials = list(trials)
+
+
+class NothingFitsError(ProbeError):
+    """Not even the smallest size fits the budget."""
+
+
+class TrialError(ProbeError):
+    """A trial failed with an error that is not out-of-memory; probing stopped there."""
+
+
+def search_batch_size(
+        run_trial: TrialFn,
+        start: int,
+        max_batch: Optional[int] = None,
+        grid: Optional[BatchGrid] = None,
+        accept: Optional[Callable[[Trial], bool]] = None,
+        on_trial: Optional[Callable[[Trial], None]] = None,
+) -> List[Trial]:
+    """Grow x2 from `start` until a trial fails (or `max_batch` fits), then bisect on `grid` in between.
+
+    Args:
+        run_trial: Runs one batch size and reports it; must catch its own OOMs (status 'oom').
+        start: First size to try (snapped down onto the grid; capped by `max_batch`).
+        max_batch: Largest size worth trying (dataset size, --max-batch, validate's asked size), None: no limit.
+        grid: Sizes the search may try between a fit and a failure (default: timm's decay grid).
+        accept: Whether a fitting trial counts as a fit for the search; the headroom test goes here so the bisection
+            finds the boundary of the headroom, not of the cap. Default: every fit counts.
+        on_trial: Called with each trial as soon as it is done (live logging, saving the table).
+
+    Returns:
+        Every trial in the order run. The search stops at the first trial with status 'error' (it is the last
+        entry); without any accepted trial nothing fits.
+    """
+    if start < 1:
+        raise ValueError(f'start batch size must be >= 1, got {start}')
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(f'max batch size must be >= 1, got {max_batch}')
+    grid = grid or DecayGrid()
+    accept = accept or (lambda t: t.fits)
+    upper = grid.upper(max_batch) if max_batch is not None else None
+    trials: List[Trial] = []
+
+    def attempt(size: int) -> Trial:
+        trial = run_trial(size)
+        trial.accepted = trial.fits and bool(accept(trial))
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    size = grid.snap(start)
+    if upper is not None and start >= upper:
+        size = upper  # a probe down from the asked size tries that size first
+    last_fit, first_fail = 0, None
+    while True:  # grow x2 until the first failure, or until the limit fits
+        trial = attempt(size)
+        if trial.status == ERROR:
+            return trials
+        if not trial.accepted:
+            first_fail = size
+            break
+        last_fit = size
+        if upper is not None and size >= upper:
+            return trials
+        size = size * 2 if upper is None else min(size * 2, upper)
+
+    candidates = grid.between(last_fit, first_fail)
+    while candidates:  # bisect on the grid: the middle index of the remaining sizes
+        size = candidates[(len(candidates) - 1) // 2]
+        trial = attempt(size)
+        if trial.status == ERROR:
+            return trials
+        if trial.accepted:
+            candidates = [s for s in candidates if s > size]
+        else:
+            candidates = [s for s in candidates if s < size]
+    return trials
+
+
+def headroom_accept(budget: Optional[int], headroom: float) -> Callable[[Trial], bool]:
+    """A search `accept` test: the trial's measured peak leaves `headroom` (a fraction) of `budget` free.
+
+    A fit with unknown peak (no measurement on this platform) is accepted: the cap itself still guards the run.
+    """
+    if not 0 <= headroom < 1:
+        raise ValueError(f'headroom must be a fraction in [0, 1), got {headroom}')
+    if budget is None or headroom == 0:
+        return lambda trial: True
+    limit = budget * (1 - headroom)
+    return lambda trial: trial.peak_bytes is None or trial.peak_bytes <= limit
+
+
+@dataclass
+class Selection:
+    """The chosen batch size and why.
+
+    Attributes:
+        batch_size: The chosen size.
+        reason: One sentence for the report.
+        trial: The trial of the chosen size.
+        trials: The whole table.
+    """
+    batch_size: int
+    reason: str
+    trial: Trial
+    trials: List[Trial] = field(default_factory=list)
+
+
+def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_tol: float = 0.05,
+                      context: str = '') -> Selection:
+    """Choose from a search's table: 'max' (largest accepted size) or 'throughput' (smallest accepted size whose
+    samples/s is within `throughput_tol` of the best measured).
+
+    Args:
+        trials: The search's trials (with `accepted` set).
+        select: One of SELECT_MODES.
+        throughput_tol: Fraction below the best samples/s still counted as the best (throughput mode).
+        context: Words naming the model, input and budget, put into error messages.
+
+    Raises:
+        TrialError: The search stopped on a non-OOM failure.
+        NothingFitsError: No trial was accepted.
+    """
+    if select not in SELECT_MODES:
+        raise ValueError(f"select must be one of {SELECT_MODES}, got {select!r}")
+    if not 0 <= throughput_tol < 1:
+        raise ValueError(f'throughput tolerance must be a fraction in [0, 1), got {throughput_tol}')
+    where = f' ({context})' if context else ''
+    failed = [t for t in trials if t.status == ERROR]
+    if failed:
+        t = failed[-1]
+        raise TrialError(f'batch {t.batch_size} failed with an error that is not out-of-memory{where}: {t.error}; '
+                         f'probing stopped (not retried)', trials)
+    accepted = [t for t in trials if t.accepted]
+    if not accepted:
+        smallest = min(trials, key=lambda t: t.batch_size) if trials else None
+        why = f'batch {smallest.batch_size} ran out of memory' if smallest and not smallest.fits else \
+            f'batch {smallest.batch_size} fits but leaves less than the headroom free' if smallest else 'no trial ran'
+        raise NothingFitsError(f'nothing fits{where}: {why}', trials)
+    largest = max(accepted, key=lambda t: t.batch_size)
+    if select == 'max':
+        return Selection(largest.batch_size, f'largest batch that fits within the headroom ({len(trials)} trials)',
+                         largest, list(trials))
+    timed = [t for t in accepted if t.samples_per_s]
+    if not timed:
+        return Selection(largest.batch_size, 'no throughput measured; largest batch that fits', largest, list(trials))
+    best = max(timed, key=lambda t: t.samples_per_s)
+    close = [t for t in timed if t.samples_per_s >= (1 - throughput_tol) * best.samples_per_s]
+    chosen = min(close, key=lambda t: t.batch_size)
+    reason = (f'smallest batch within {throughput_tol:.0%} of the best throughput measured '
+              f'({chosen.samples_per_s:.1f} vs {best.samples_per_s:.1f} samples/s at batch {best.batch_size})')
+    return Selection(chosen.batch_size, reason, chosen, list(trials))
+
+
+def _worst(trials: Sequence[Trial]) -> Trial:
+    order = {FIT: 0, OOM: 1, ERROR: 2}
+    return max(trials, key=lambda t: order[t.status])
+
+
+def agree_across_ranks(run_trial: TrialFn) -> TrialFn:
+    """Wrap a trial so that every rank of the default process group reports the same, combined outcome.
+
+    After each local trial one `all_gather_object` collects all ranks' trials: the status is the worst (an OOM on
+    any rank is an OOM for all), the peak and step time are the largest, samples/s counts every rank's samples at
+    the slowest rank's pace. Without an initialized group of more than one rank the trial is returned as is.
+    """
+
+    def run(batch_size: int) -> Trial:
+        local = run_trial(batch_size)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local
+        gathered: List[Optional[dict]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local.to_dict())
+        per_rank = [Trial.from_dict(d) for d in gathered]
+        worst = _worst(per_rank)
+        if worst.status != FIT:
+            rank = per_rank.index(worst)
+            return Trial(batch_size, worst.status, error=f'rank {rank}: {worst.error}')
+        peaks = [t.peak_bytes for t in per_rank]
+        ms = max(t.ms_per_step for t in per_rank)
+        return Trial(batch_size, FIT, peak_bytes=None if None in peaks else max(peaks), ms_per_step=ms,
+                     samples_per_s=batch_size * len(per_rank) * 1000.0 / ms if ms else None)
+
+    return run
+
+
+def format_trial(trial: Trial, budget: Optional[int] = None) -> str:
+    """One log line for a trial, e.g. 'batch   64: fit   peak 1.20 GiB (60% of budget)  12.3 ms  5203.3 /s'."""
+    head = f'batch {trial.batch_size:>6d}: {trial.status:<5s}'
+    if not trial.fits:
+        return f'{head} {trial.error}'
+    share = f' ({trial.peak_bytes / budget:.0%} of budget)' if budget and trial.peak_bytes is not None else ''
+    note = '' if trial.accepted is not False else '  [over headroom]'
+    speed = f'{trial.ms_per_step:.1f} ms/step, {trial.samples_per_s:.1f} samples/s' if trial.ms_per_step else ''
+    return f'{head} peak {format_bytes(trial.peak_bytes)}{share}  {speed}{note}'
+
+
+def format_table(trials: Sequence[Trial], budget: Optional[int] = None) -> str:
+    """The trial table, sorted by batch size, one line per trial."""
+    return '\n'.join(format_trial(t, budget) for t in sorted(trials, key=lambda t: t.batch_size))
+
+
+def trials_to_json(trials: Sequence[Trial], **meta) -> str:
+    """The table (in the order run) and any metadata as a JSON document."""
+    return json.dumps({**meta, 'trials': [t.to_dict() for t in trials]}, indent=2, sort_keys=False)
+
+
+
+# oneDNN (CPU convolutions) reports a failed allocation as a failure to create its primitive. Under a CPU cap that
+# is the cap speaking; without one it may be anything, so it counts as an OOM only while capped.
+_CPU_CAPPED_OOM_MESSAGES = ('could not create a primitive',)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = ' '.join(str(exc).split())
+    return f'{type(exc).__name__}: {text}'[:300]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def measured_trial(
+        step: Callable[[int], object],
+        device: torch.device,
+        meter: Optional[PeakMeter] = None,
+        warmup_steps: int = 0,
+        timed_steps: int = 1,
+        capped: bool = False,
+        before: Optional[Callable[[], None]] = None,
+) -> TrialFn:
+    """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
+
+    The trial frees memory, resets the peak meter, runs `warmup_steps` then `timed_steps` steps (peak covers all,
+    time only the timed ones), and reports fit, OOM or error. On a failure the traceback's frames are cleared and
+    memory freed before returning, so the next trial starts from the same state as the first.
+
+    Args:
+        step: Runs one step at a batch size; OOMs and other errors propagate out of it.
+        device: Device the step runs on (synchronized around the timing, freed between trials).
+        meter: Peak-memory meter (`None`: a meter on `device` with no baseline).
+        warmup_steps: Untimed steps first (e.g. one training step that allocates the optimizer state).
+        timed_steps: Steps timed for ms/step and samples/s.
+        capped: A CPU memory cap is in force: oneDNN primitive-creation failures count as OOM.
+        before: Called before each trial (reset gradients, optimizer state, scaler).
+    """
+    device = torch.device(device)
+    meter = meter or PeakMeter(device)
+
+    def run(batch_size: int) -> Trial:
+        if before is not None:
+            before()
+        free_memory(device)
+        meter.reset()
+        try:
+            for _ in range(warmup_steps):
+                step(batch_size)
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(timed_steps):
+                step(batch_size)
+            _synchronize(device)
+            seconds = (time.perf_counter() - start) / max(timed_steps, 1)
+            peak = meter.peak()
+        except Exception as e:  # every failure is reported as a trial; only OOMs let the search go on
+            oom = is_oom(e) or (capped and device.type == 'cpu' and any(
+                m in str(e).lower() for m in _CPU_CAPPED_OOM_MESSAGES))
+            trial = Trial(batch_size, OOM if oom else ERROR, error=_one_line(e))
+            traceback.clear_frames(e.__traceback__)  # the frames hold the failed step's activations
+        else:
+            trial = Trial(batch_size, FIT, peak_bytes=peak, ms_per_step=seconds * 1000,
+                          samples_per_s=batch_size / seconds if seconds > 0 else None)
+        if before is not None:
+            before()
+        free_memory(device)
+        return trial
+
+    return run
