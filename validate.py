@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Validate timm models on an image dataset: a drop-in replacement for timm's validate.py.
+
+Same command line and results as the stock script. Differences: `--retry` (always on in bulk mode) probes the
+largest batch that fits before building loaders, then evaluates once; a CPU-only machine falls back from the
+default `--device cuda`; bad input ends in one line on stderr, and in bulk mode a failing model gets an `error`
+field while the others go on; results files are written atomically.
+
+    python validate.py --data-dir DIR --model resnet50 --checkpoint model_best.pth.tar --retry -b 1024
+"""
+import json
+import logging
+import sys
+
+from timm.utils import setup_default_logging
+
+from timm_ext.results import write_results
+from timm_ext.validate_args import parse_validate_args
+from timm_ext.validate_jobs import JobsError, resolve_jobs
+from timm_ext.validation import ValidationError, resolve_device, validate_model
+from timm_ext.weights import one_line
+
+_logger = logging.getLogger('validate')
+
+
+def fail(message: str, status: int = 1) -> int:
+    print(f'validate.py: error: {message}', file=sys.stderr)
+    return status
+
+
+def error_message(exc: Exception) -> str:
+    """One line for any failure: the message of a ValidationError, else the exception type and first line."""
+    return str(exc) if isinstance(exc, ValidationError) else f'{type(exc).__name__}: {one_line(exc)}'
+
+
+def run_bulk(args, jobs, device):
+    """Validate each (model, checkpoint) with the probe on; a failure becomes that model's `error` row."""
+    done, failed = [], []
+    for model_name, checkpoint in jobs:
+        try:
+            row = validate_model(args, model_name, checkpoint, device, probe_first=True)
+        except KeyboardInterrupt:
+            _logger.warning('Interrupted: writing the results gathered so far.')
+            break
+        except Exception as e:
+            row = {'model': model_name, 'error': error_message(e)}
+            _logger.error(f'{model_name} failed to validate: {row["error"]}')
+            failed.append(row)
+        else:
+            done.append(row)
+        if checkpoint:
+            row['checkpoint'] = checkpoint
+    return sorted(done, key=lambda r: r['top1'], reverse=True) + failed, bool(done) or not failed
+
+
+def main(argv=None) -> int:
+    setup_default_logging()
+    args = parse_validate_args(argv)
+    try:
+        plan = resolve_jobs(args.model, args.checkpoint)
+        device = resolve_device(args.device)
+    except (JobsError, ValidationError) as e:
+        return fail(str(e), 2)
+
+    if plan.bulk:
+        _logger.info(f'Bulk validation of {plan.description}: ' + ', '.join(m for m, _ in plan.jobs[:20])
+                     + (' ...' if len(plan.jobs) > 20 else ''))
+        results, ok = run_bulk(args, plan.jobs, device)
+    else:
+        model_name, checkpoint = plan.jobs[0]
+        try:
+            results, ok = validate_model(args, model_name, checkpoint, device, probe_first=args.retry), True
+        except Exception as e:
+            return fail(error_message(e))
+
+    if args.results_file:
+        write_results(args.results_file, results, args.results_format)
+    print(f'--result\n{json.dumps(results, indent=4)}')
+    return 0 if ok else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())
