@@ -8,10 +8,11 @@ fitting batch came to it:
   (weights included). Peak: `torch.cuda.max_memory_allocated` since the last reset.
 * CPU (Linux): `RLIMIT_DATA` set to the process's current data segment (VmData) + budget, so PyTorch's allocator gets
   ENOMEM and raises "DefaultCPUAllocator: can't allocate memory". The budget counts memory *above* what the process
-  holds when the cap is set (model, optimizer, libraries are already there). Peak: the kernel's resident-set
-  high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs) above the resident set at cap time. RSS is
-  what the step really touched; VmData (what the cap counts) also holds reserved but untouched pages, so the peak
-  reads a little below the cap's count, never above it.
+  holds when the cap is set (model, optimizer, libraries are already there). Peak: VmData, the very quantity the
+  cap limits, above its value at cap time. The kernel keeps no high-water mark of VmData (VmHWM is the resident
+  set, which misses reserved-but-untouched pages the cap does count, and counts library pages it does not), so a
+  small-stack thread samples it every 0.5 ms while a trial runs (ATen releases the GIL inside ops): a spike
+  shorter than that can be missed, so the figure is a close lower bound.
 
 `memory_cap` always restores the previous limit on exit, Ctrl-C included.
 """
@@ -23,6 +24,8 @@ import os
 import re
 import resource
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
@@ -31,7 +34,7 @@ import torch
 
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
-    'device_name', 'memory_cap', 'free_memory', 'proc_status',
+    'device_name', 'memory_cap', 'free_memory', 'proc_status', 'data_and_stack',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -142,6 +145,12 @@ def proc_status(*keys: str) -> dict:
     return values
 
 
+def data_and_stack() -> int:
+    """VmData + VmStk in bytes (/proc/self/statm), the figure the CPU peak sampler reads."""
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[5]) * os.sysconf('SC_PAGE_SIZE')
+
+
 def _meminfo(key: str) -> int:
     with open('/proc/meminfo') as f:
         for line in f:
@@ -188,7 +197,7 @@ class MemoryCap:
     Attributes:
         device: The capped device.
         budget: Bytes the budget allows (CPU: above `baseline`; CUDA: in total).
-        baseline: CPU: resident set when the cap was set, the zero of peak measurements; CUDA: 0.
+        baseline: CPU: VmData + VmStk when the cap was set, the zero of peak measurements; CUDA: 0.
     """
     device: torch.device
     budget: int
@@ -225,14 +234,14 @@ def memory_cap(device: DeviceLike, budget: int) -> Iterator[MemoryCap]:
         raise BudgetError(f'memory caps are supported on cuda and cpu devices, not {device.type}')
     _require_linux()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    status = proc_status('VmData', 'VmRSS')
-    limit = status['VmData'] + budget
+    vmdata = proc_status('VmData')['VmData']
+    limit = vmdata + budget
     if hard != resource.RLIM_INFINITY and limit > hard:
         _logger.warning(f'RLIMIT_DATA hard limit {format_bytes(hard)} is below the asked cap; capping there.')
         limit = hard
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:
-        yield MemoryCap(device, budget, status['VmRSS'])
+        yield MemoryCap(device, budget, data_and_stack())
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
@@ -241,36 +250,73 @@ class PeakMeter:
     """Peak memory of the work done since `reset()`, in the units a budget on the device counts.
 
     CUDA: `torch.cuda.max_memory_allocated` (all of this process's tensors on the device).
-    CPU: VmHWM (resident high-water mark, reset through /proc/self/clear_refs) minus `baseline`. Where
-    clear_refs cannot be written (some sandboxes), `peak()` returns None: unknown, not zero.
+    CPU (Linux): the highest VmData sampled since `reset()`, minus `baseline` (VmData when the cap was set).
 
     Args:
         device: The device to measure.
-        baseline: CPU: bytes to subtract (the resident set when a cap was set); CUDA: ignored.
+        baseline: CPU: bytes to subtract (`MemoryCap.baseline`); CUDA: ignored.
+        interval: CPU sampling period in seconds.
     """
 
-    def __init__(self, device: DeviceLike, baseline: int = 0):
+    def __init__(self, device: DeviceLike, baseline: int = 0, interval: float = 0.0005):
         self.device = _device(device)
         self.baseline = baseline
-        self._resettable = True
+        self.interval = interval
+        self._sampler: Optional[_VmDataSampler] = None
 
     def reset(self) -> None:
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.device.type == 'cpu' and self._resettable:
-            try:
-                with open('/proc/self/clear_refs', 'w') as f:
-                    f.write('5')  # 5: reset the resident-set high-water mark to the current resident set
-            except OSError:
-                self._resettable = False
+        elif self.device.type == 'cpu' and sys.platform == 'linux':
+            if self._sampler is None or not self._sampler.alive():  # threads do not survive a fork
+                self._sampler = _VmDataSampler(self.interval)
+            self._sampler.restart()
 
     def peak(self) -> Optional[int]:
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
-        if self.device.type == 'cpu' and self._resettable and sys.platform == 'linux':
-            return max(0, proc_status('VmHWM')['VmHWM'] - self.baseline)
+        if self._sampler is not None and self._sampler.alive():
+            return max(0, self._sampler.stop() - self.baseline)
         return None
+
+
+class _VmDataSampler:
+    """A daemon thread with a small stack that records the largest VmData seen while armed."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.highest = 0
+        self._armed = threading.Event()
+        self._fd = os.open('/proc/self/statm', os.O_RDONLY)
+        self._page = os.sysconf('SC_PAGE_SIZE')
+        previous = threading.stack_size(256 * 1024)  # its stack is data the cap counts: keep it small
+        try:
+            self._thread = threading.Thread(target=self._run, name='vmdata-sampler', daemon=True)
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
+
+    def read(self) -> int:
+        # statm's 6th field is data + stack in pages: VmData + VmStk, which is what RLIMIT_DATA sees
+        return int(os.pread(self._fd, 256, 0).split()[5]) * self._page
+
+    def _run(self) -> None:
+        while True:
+            self._armed.wait()
+            self.highest = max(self.highest, self.read())
+            time.sleep(self.interval)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def restart(self) -> None:
+        self.highest = self.read()
+        self._armed.set()
+
+    def stop(self) -> int:
+        self._armed.clear()
+        return max(self.highest, self.read())
 
 
 _libc = None

@@ -13,6 +13,8 @@ the same (the worst) outcome, hence the same path through the search and the sam
 """
 import json
 import logging
+import os
+import signal
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -365,6 +367,7 @@ def measured_trial(
         timed_steps: int = 1,
         capped: bool = False,
         before: Optional[Callable[[], None]] = None,
+        isolate: bool = False,
 ) -> TrialFn:
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
@@ -380,11 +383,14 @@ def measured_trial(
         timed_steps: Steps timed for ms/step and samples/s.
         capped: A CPU memory cap is in force: oneDNN primitive-creation failures count as OOM.
         before: Called before each trial (reset gradients, optimizer state, scaler).
+        isolate: CPU only: run each trial in a forked copy of this process (see `run_forked`).
     """
     device = torch.device(device)
     meter = meter or PeakMeter(device)
+    if isolate and device.type != 'cpu':
+        raise ValueError('isolated trials are for CPU devices; CUDA frees its memory in-process')
 
-    def run(batch_size: int) -> Trial:
+    def run_here(batch_size: int) -> Trial:
         if before is not None:
             before()
         free_memory(device)
@@ -412,4 +418,62 @@ def measured_trial(
         free_memory(device)
         return trial
 
-    return run
+    if isolate:
+        return lambda batch_size: run_forked(lambda: run_here(batch_size), batch_size, capped)
+    return run_here
+
+
+_SINGLE_THREAD_NOTE = [False]
+
+
+def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:
+    """Run `trial_fn` in a forked child process and return its trial (Linux CPU trials).
+
+    Why: on CPU a process does not give memory back between trials. glibc keeps its heap high-water mark and
+    oneDNN caches the primitives (with their buffers) of every shape it has run, so under RLIMIT_DATA each trial
+    would pay for the ones before it. A fork starts every trial from the same state, exactly as a fresh process
+    would, and the rlimit is inherited. oneDNN also does not check every allocation: under a cap a child can die of
+    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the same step runs uncapped in the parent's
+    warm-up), never as a crash of the caller.
+
+    GNU OpenMP's thread pool does not survive fork; if this process already runs other threads, the child computes
+    with one thread.
+    """
+    threads = len(os.listdir('/proc/self/task'))
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        status = 0
+        try:
+            os.close(read_fd)
+            if threads > 1:
+                torch.set_num_threads(1)
+            trial = trial_fn()
+            os.write(write_fd, json.dumps(trial.to_dict()).encode())
+        except BaseException:  # noqa: B036 - the child must exit here whatever happens
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    try:
+        chunks = []
+        while chunk := os.read(read_fd, 65536):
+            chunks.append(chunk)
+        _, wait_status = os.waitpid(pid, 0)
+        pid = 0
+    finally:
+        os.close(read_fd)
+        if pid:  # interrupted while the child runs: stop it, then let the interrupt through
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    if threads > 1 and not _SINGLE_THREAD_NOTE[0]:
+        _SINGLE_THREAD_NOTE[0] = True
+        _logger.info('Probe trials run in forked processes with 1 CPU thread (this process already runs threads).')
+    if chunks:
+        return Trial.from_dict(json.loads(b''.join(chunks)))
+    if os.WIFSIGNALED(wait_status):
+        sig = signal.Signals(os.WTERMSIG(wait_status)).name
+        if capped and os.WTERMSIG(wait_status) in (signal.SIGSEGV, signal.SIGBUS, signal.SIGKILL):
+            return Trial(batch_size, OOM, error=f'trial process killed by {sig} under the memory cap')
+        return Trial(batch_size, ERROR, error=f'trial process killed by {sig}')
+    return Trial(batch_size, ERROR, error=f'trial process exited with status {os.WEXITSTATUS(wait_status)}')

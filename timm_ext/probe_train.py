@@ -1,0 +1,240 @@
+"""The training trial of the batch probe: one real update of the run's model, built the way train.py builds it.
+
+`build_train_trial` takes train.py's parsed arguments and sets up what decides a training step's memory with
+train.py's own builders (`timm_ext.train_setup`) and loop (`timm_ext.train_loop.TrainLoop`): the model with its
+dtype, channels_last and gradient checkpointing, the task and loss, the optimizer (`create_optimizer_v2`), the EMA
+copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up update (it allocates
+the optimizer state) and a timed update, on random inputs of the largest size the run will see, directly on the
+device. Under DDP the trial adds a buffer the size of the gradients for DDP's gradient buckets but runs no
+collective inside the step, so a rank that fails alone cannot leave the others waiting.
+
+`probe_train_batch` runs the whole probe: budget, cap, search, choice.
+"""
+import argparse
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from timm.data import resolve_data_config
+from timm.optim import create_optimizer_v2, optimizer_kwargs
+
+from .amp import resolve_amp
+from .memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
+from .probe import (
+    ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept, measured_trial,
+    search_batch_size, select_batch_size,
+)
+from .train_loop import LoopConfig, TrainLoop
+from .train_setup import SetupError, build_model, build_task, build_train_loss, resolve_model_dtype
+
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch']
+
+_logger = logging.getLogger(__name__)
+
+
+def probe_input_size(args: argparse.Namespace, data_config: dict) -> Tuple[int, ...]:
+    """The largest input (C, H, W) the run will train on: the model's / --input-size / --img-size, or the biggest
+    of a --train-img-sizes schedule."""
+    channels, height, width = data_config['input_size']
+    for size in getattr(args, 'train_img_sizes', None) or ():
+        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        if h * w > height * width:
+            height, width = h, w
+    return channels, height, width
+
+
+@dataclass
+class TrainTrialSetup:
+    """What a training trial runs: built once, reused by every trial.
+
+    Attributes:
+        step: Runs one training update at a batch size (raises on failure).
+        reset: Clears gradients, optimizer state and the loss scaler (before and after each trial).
+        input_size: (C, H, W) of the trial inputs.
+        describe: One line naming the model, input, precision and optimizer (for reports and errors).
+        device: The device trials run on.
+    """
+    step: Callable[[int], None]
+    reset: Callable[[], None]
+    input_size: Tuple[int, ...]
+    describe: str
+    device: torch.device
+
+
+def _soft_targets(args: argparse.Namespace) -> bool:
+    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+
+
+def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTrialSetup:
+    """Set up the run's model, task, optimizer, EMA and AMP for training trials.
+
+    `args` is train.py's namespace (after `init_device`, so rank and world size are set); it is not modified.
+
+    Raises:
+        SetupError: The run cannot be built (unknown model, ...) or is a mode the probe does not cover (NaFlex).
+    """
+    args = copy.deepcopy(args)
+    if getattr(args, 'naflex_loader', False):
+        raise SetupError('--naflex-loader runs take variable patch sequences; the probe covers fixed-size inputs, '
+                         'so pass -b/--batch-size yourself')
+    model_dtype = resolve_model_dtype(args)
+    amp = resolve_amp(device, args.amp, args.amp_dtype)
+    model = build_model(args, device, model_dtype)
+    data_config = resolve_data_config(vars(args), model=model, verbose=False)
+    input_size = probe_input_size(args, data_config)
+    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
+    if not args.lr:
+        args.lr = args.lr_base  # the value does not change memory; the optimizer factory needs one
+    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=args), **args.opt_kwargs)
+    if args.model_ema:
+        task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
+                       device='cpu' if args.model_ema_force_cpu else None)
+    if args.torchcompile:
+        task.compile(backend=args.torchcompile, mode=args.torchcompile_mode)
+        if task.has_ema():
+            task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
+    loop = TrainLoop(
+        task, optimizer,
+        LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
+                   channels_last=args.channels_last, model_dtype=model_dtype, prefetcher=True),
+        amp_autocast=amp.autocast,
+    )
+    params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
+    # DDP keeps its gradient buckets, about one more copy of the gradients, for the whole run
+    bucket_bytes = sum(p.numel() * p.element_size() for p in params) if args.world_size > 1 else 0
+    splits = max(1, args.aug_splits)  # AugMix splits put `splits` views of each image into a batch
+    num_classes = args.num_classes
+    soft = _soft_targets(args)
+    updates = [0]
+
+    def step(batch_size: int) -> None:
+        rows = batch_size * splits
+        buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=device) if bucket_bytes else None
+        input = torch.randn((rows,) + tuple(input_size), device=device, dtype=model_dtype or torch.float32)
+        if soft:
+            target = torch.full((rows, num_classes), 1.0 / num_classes, device=device)
+        else:
+            target = torch.randint(0, num_classes, (rows,), device=device)
+        input, target = loop.prepare_batch(input, target)
+        loop.forward_backward(input, target, weight=1.0, sync=True)
+        loop.optimizer_update()
+        updates[0] += 1
+        task.update_ema(step=updates[0])
+        del buckets
+
+    def reset() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+        loop.grad_scaler = torch.amp.GradScaler(device.type) if amp.use_grad_scaler else None
+
+    precision = f'AMP {amp.dtype}'.replace('torch.', '') if amp.enabled else str(model_dtype or 'float32')
+    extras = [x for x, on in (('channels_last', args.channels_last), ('grad checkpointing', args.grad_checkpointing),
+                              ('EMA', args.model_ema), ('torch.compile', args.torchcompile)) if on]
+    describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
+                + (', ' + ', '.join(extras) if extras else ''))
+    return TrainTrialSetup(step, reset, tuple(input_size), describe, device)
+
+
+@dataclass
+class ProbeOutcome:
+    """A finished probe.
+
+    Attributes:
+        selection: The chosen batch and why, with the trial table.
+        budget: The budget in bytes.
+        describe: What was probed (model, input, precision, optimizer).
+        device_name: The device's name.
+    """
+    selection: Selection
+    budget: int
+    describe: str
+    device_name: str
+
+    @property
+    def trials(self) -> List[Trial]:
+        return self.selection.trials
+
+
+def probe_train_batch(
+        setup: TrainTrialSetup,
+        budget: MemoryBudget,
+        headroom: float = 0.1,
+        select: str = 'max',
+        throughput_tol: float = 0.05,
+        start: int = 2,
+        max_batch: Optional[int] = None,
+        grid: Optional[BatchGrid] = None,
+        timed_steps: int = 1,
+        on_trial: Optional[Callable[[Trial], None]] = None,
+) -> ProbeOutcome:
+    """Probe the largest training batch under a memory cap and choose one.
+
+    The cap is in force only while trials run and is lifted however the probe ends. Under an initialized process
+    group every rank must call this together: each trial's outcome is agreed across ranks, and the final size is
+    the minimum over ranks.
+
+    Args:
+        setup: The training trial (`build_train_trial`).
+        budget: The memory budget (`timm_ext.memory.parse_budget`).
+        headroom: Fraction of the budget the chosen batch must leave free, judged on measured peak memory.
+        select: 'max' or 'throughput' (see `select_batch_size`).
+        throughput_tol: Tolerance of the throughput choice.
+        start: First batch size tried.
+        max_batch: Largest batch worth trying (dataset size, --max-batch).
+        grid: Sizes tried between a fit and a failure (default: timm's decay grid).
+        timed_steps: Timed updates per trial after the warm-up update.
+        on_trial: Called with each trial as it completes.
+
+    Raises:
+        BudgetError: The budget is larger than the device.
+        NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
+    """
+    device = setup.device
+    budget_bytes = budget.resolve(device)
+    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
+    # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.run_forked`)
+    isolate = device.type == 'cpu'
+    # One uncapped, unrecorded update first, so that a step that fails without any cap is reported as the run's
+    # own failure (and on CUDA, kernels and library workspaces are set up before the first measured trial).
+    warm = agree_across_ranks(measured_trial(setup.step, device, before=setup.reset, isolate=isolate))(min(start, 2))
+    if warm.status == ERROR:
+        raise TrialError(f'a training step fails before any memory cap ({context}): {warm.error}', [warm])
+    with memory_cap(device, budget_bytes) as cap:
+        trial: TrialFn = measured_trial(
+            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
+            capped=True, before=setup.reset, isolate=isolate)
+        trials = search_batch_size(agree_across_ranks(trial), start, max_batch, grid or DecayGrid(),
+                                   accept=headroom_accept(budget_bytes, headroom), on_trial=on_trial)
+    selection = select_batch_size(trials, select, throughput_tol, context)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
+        chosen = torch.tensor([selection.batch_size], dtype=torch.int64,
+                              device=device if dist.get_backend() == 'nccl' else 'cpu')
+        dist.all_reduce(chosen, op=dist.ReduceOp.MIN)
+        if chosen.item() != selection.batch_size:
+            pick = next(t for t in trials if t.batch_size == chosen.item())
+            selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
+    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+
+
+def nothing_fits_advice(args: argparse.Namespace) -> str:
+    """Suggestions for a run whose batch of 1-2 does not fit: the memory savers it is not using yet."""
+    tips = []
+    if not args.amp and not args.model_dtype:
+        tips.append('--amp (mixed precision)')
+    if not args.grad_checkpointing:
+        tips.append('--grad-checkpointing')
+    tips.append('a smaller --img-size / --input-size')
+    if args.model_ema and not args.model_ema_force_cpu:
+        tips.append('--model-ema-force-cpu')
+    tips.append('a larger --mem-budget')
+    return 'try ' + ', '.join(tips)
+
+
+def ceil_log2_bound(found: int, start: int) -> int:
+    """The trial count the probe promises for a grow-then-bisect search: ceil(log2(found / start)) + 4."""
+    return math.ceil(math.log2(max(found, start) / start)) + 4
