@@ -114,8 +114,10 @@ def test_fourteen_batches_accum_eight_take_two_optimizer_steps(fourteen_batch_fo
 
 def test_recovery_checkpoint_resumes_inside_its_epoch(image_folder, tmp_path):
     # 24 images, batch 4, accumulation 2: 3 updates per epoch; recovery-1-1 is after 2 updates of epoch 1
+    # LR changing every update and an EMA: both must continue exactly where the recovery checkpoint stopped
     train(image_folder, tmp_path, 'a', '-b', '4', '--grad-accum-steps', '2', '--epochs', '2', '--opt', 'adamw',
-          '--recovery-interval', '1', '--val-split', '')
+          '--recovery-interval', '1', '--val-split', '', '--sched-on-updates', '--warmup-epochs', '1',
+          '--model-ema', '--model-ema-decay', '0.5')
     recovery = tmp_path / 'a' / 'recovery-1-1.pth.tar'
     assert optimizer_steps(recovery) == {5}
     result = train(image_folder, tmp_path, 'b', '-c', tmp_path / 'a' / 'args.yaml', '--resume', recovery)
@@ -123,9 +125,11 @@ def test_recovery_checkpoint_resumes_inside_its_epoch(image_folder, tmp_path):
     # stock resumes a recovery checkpoint at the next epoch: here, nothing left to train (5 steps)
     assert optimizer_steps(tmp_path / 'b' / 'last.pth.tar') == {6}
     # same sample order and augmentation as the uninterrupted run: the same weights
-    want = load_training_checkpoint(tmp_path / 'a' / 'last.pth.tar')['state_dict']
-    got = load_training_checkpoint(tmp_path / 'b' / 'last.pth.tar')['state_dict']
-    assert all(torch.allclose(got[k].float(), want[k].float(), atol=1e-6) for k in want)
+    want = load_training_checkpoint(tmp_path / 'a' / 'last.pth.tar')
+    got = load_training_checkpoint(tmp_path / 'b' / 'last.pth.tar')
+    for key in ('state_dict', 'state_dict_ema'):
+        assert all(torch.allclose(got[key][k].float(), want[key][k].float(), atol=1e-6) for k in want[key]), key
+    assert got['optimizer']['param_groups'][0]['lr'] == pytest.approx(want['optimizer']['param_groups'][0]['lr'])
 
 
 def test_kill_during_training_then_resume(image_folder, tmp_path):
