@@ -34,7 +34,7 @@ import torch
 
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
-    'device_name', 'memory_cap', 'free_memory', 'proc_status', 'data_and_stack',
+    'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status', 'data_and_stack',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -172,6 +172,15 @@ def device_total_memory(device: DeviceLike) -> int:
         _require_linux()
         return _meminfo('MemAvailable')
     raise BudgetError(f'memory budgets are supported on cuda and cpu devices, not {device.type}')
+
+
+def physical_memory(device: DeviceLike) -> int:
+    """The device's installed memory: CUDA total, or MemTotal for the CPU (for cache keys and reports)."""
+    device = _device(device)
+    if device.type == 'cuda':
+        return torch.cuda.get_device_properties(device).total_memory
+    _require_linux()
+    return _meminfo('MemTotal')
 
 
 def device_name(device: DeviceLike) -> str:
