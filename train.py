@@ -170,7 +170,8 @@ def train(args, args_text: str) -> int:
         ckpt.remove_stale_tmp_files(output_dir)
         ckpt.atomic_text(args_text, os.path.join(output_dir, 'args.yaml'))
         saver = ckpt.CheckpointManager(output_dir, decreasing, args.checkpoint_hist, not args.no_safetensors)
-        if resumed is not None:
+        if resumed is not None and os.path.samefile(os.path.dirname(os.path.abspath(args.resume)), output_dir):
+            # continuing in the run's own folder: keep its checkpoint ranking, and its summary up to the restart
             saver.load_state_dict(resumed.get('saver'))
             drop_summary_rows(os.path.join(output_dir, 'summary.csv'), from_epoch=start.epoch)
         if args.log_wandb:

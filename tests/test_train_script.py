@@ -122,6 +122,7 @@ def test_recovery_checkpoint_resumes_inside_its_epoch(image_folder, tmp_path):
     assert optimizer_steps(recovery) == {5}
     result = train(image_folder, tmp_path, 'b', '-c', tmp_path / 'a' / 'args.yaml', '--resume', recovery)
     assert 'Resuming epoch 1 at update 2/3' in result.stderr
+    assert (tmp_path / 'b' / 'model_best.pth.tar').exists()  # a new folder ranks its own checkpoints
     # stock resumes a recovery checkpoint at the next epoch: here, nothing left to train (5 steps)
     assert optimizer_steps(tmp_path / 'b' / 'last.pth.tar') == {6}
     # same sample order and augmentation as the uninterrupted run: the same weights

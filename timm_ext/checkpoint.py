@@ -283,7 +283,9 @@ class CheckpointManager:
         self.history: List[Tuple[str, Optional[float]]] = []  # (file name, metric), best first
         self.best_metric: Optional[float] = None
         self.best_epoch: Optional[int] = None
-        self.recovery_files: List[Path] = []
+        # a resumed run in the same folder rotates out the recovery files its predecessor left
+        self.recovery_files: List[Path] = sorted(
+            self.folder.glob(f'recovery-*{CHECKPOINT_EXT}'), key=lambda p: p.stat().st_mtime)
 
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.decreasing else a > b
