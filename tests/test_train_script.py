@@ -41,11 +41,17 @@ def summary_rows(path):
     return list(csv.DictReader(lines))
 
 
-def test_short_run_writes_every_output(image_folder, tmp_path):
-    out = tmp_path / 'out'
+@pytest.fixture(scope='module')
+def short_run(image_folder, tmp_path_factory):
+    """Two epochs with EMA, accumulation and recovery checkpoints: (run folder, completed process)."""
+    out = tmp_path_factory.mktemp('short')
     result = train(image_folder, out, 'run', '-b', '4', '--epochs', '2', '--model-ema', '--model-ema-decay', '0.5',
                    '--recovery-interval', '1', '--grad-accum-steps', '2')
-    run = out / 'run'
+    return out / 'run', result
+
+
+def test_short_run_writes_every_output(short_run):
+    run, result = short_run
     names = {p.name for p in run.iterdir()}
     expected = {'args.yaml', 'summary.csv', 'last.pth.tar', 'checkpoint-0.pth.tar', 'checkpoint-1.pth.tar',
                 'model_best.pth.tar', 'last.safetensors', 'model_best.safetensors'}
@@ -84,14 +90,11 @@ def test_short_run_writes_every_output(image_folder, tmp_path):
 
 
 @pytest.mark.skipif(not STOCK_VALIDATE.exists(), reason='stock timm validate.py not available')
-def test_checkpoint_validates_with_stock_validate(image_folder, tmp_path):
-    out = tmp_path / 'out'
-    train(image_folder, out, 'run', '-b', '8', '--epochs', '1', '--no-safetensors')
-    assert not list((out / 'run').glob('*.safetensors'))
+def test_checkpoint_validates_with_stock_validate(image_folder, short_run):
     result = subprocess.run(
         [sys.executable, str(STOCK_VALIDATE), '--data-dir', str(image_folder), '--model', 'test_resnet',
-         '--num-classes', '3', '--img-size', '32', '--device', 'cpu', '--workers', '0', '-b', '8',
-         '--checkpoint', str(out / 'run' / 'model_best.pth.tar')],
+         '--num-classes', '3', '--img-size', '32', '--device', 'cpu', '--workers', '0', '-b', '8', '--use-ema',
+         '--checkpoint', str(short_run[0] / 'model_best.pth.tar')],
         capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert result.returncode == 0, result.stderr[-2000:]
     assert '"top1"' in result.stdout
@@ -106,8 +109,9 @@ def fourteen_batch_folder(tmp_path_factory):
 def test_fourteen_batches_accum_eight_take_two_optimizer_steps(fourteen_batch_folder, tmp_path):
     # stock timm takes 3 optimizer steps here (and logs [2/2 (150%)])
     result = train(fourteen_batch_folder, tmp_path, 'run', '-b', '3', '--grad-accum-steps', '8', '--opt', 'adamw',
-                   '--epochs', '1', '--val-split', '')
+                   '--epochs', '1', '--val-split', '', '--no-safetensors')
     assert optimizer_steps(tmp_path / 'run' / 'last.pth.tar') == {2}
+    assert not list((tmp_path / 'run').glob('*.safetensors'))
     progress = [line for line in result.stderr.splitlines() if line.startswith('Train: 0 [')]
     assert len(progress) == 2 and '[   1/2 (100%)]' in progress[-1], progress
 
