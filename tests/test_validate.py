@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO_ROOT, SHARED_DIR, run_script
 
@@ -118,12 +119,16 @@ def test_metrics_avg_adds_precision_recall_f1(validate_main, capsys, image_folde
     assert results['micro_precision'] == results['micro_recall'] == pytest.approx(results['top1'], abs=1e-3)
 
 
-def test_amp_on_cpu_runs_and_says_which_dtype(validate_main, capsys, caplog, image_folder, trained_run):
+def test_default_cuda_device_falls_back_to_cpu_with_amp(validate_main, capsys, caplog, image_folder, trained_run):
+    if torch.cuda.is_available():
+        pytest.skip('this machine has CUDA: the default device is usable')
     caplog.set_level(logging.INFO)
+    no_device = [a for a in BASE if a not in ('--device', 'cpu')]
     status, results, _ = run_main(validate_main, capsys, '--data-dir', image_folder, '--model', 'test_resnet',
-                                  '--checkpoint', trained_run[0] / 'last.pth.tar', *BASE, '--amp',
+                                  '--checkpoint', trained_run[0] / 'last.pth.tar', *no_device, '--amp',
                                   '--amp-dtype', 'bfloat16', '--channels-last')
     assert status == 0 and 0 <= results['top1'] <= 100
+    assert 'validating on the CPU instead of cuda' in caplog.text
     assert 'autocast to bfloat16 on cpu' in caplog.text
 
 
@@ -161,11 +166,13 @@ def hub_offline(monkeypatch):
 def test_bulk_names_file_offline_gives_each_model_an_error(validate_main, capsys, image_folder, tmp_path,
                                                            hub_offline):
     names = tmp_path / 'models.txt'
-    names.write_text('test_resnet\ntest_vit\n')
+    names.write_text('test_resnet\nno_such_net\ntest_vit\n')
     status, results, _ = run_main(validate_main, capsys, '--data-dir', image_folder, '--model', names, *BASE)
     assert status == 1  # nothing validated
-    assert [r['model'] for r in results] == ['test_resnet', 'test_vit']
-    assert all('no pretrained weights' in r['error'] and '--checkpoint' in r['error'] for r in results)
+    assert [r['model'] for r in results] == ['test_resnet', 'no_such_net', 'test_vit']
+    assert "unknown model 'no_such_net'" in results[1]['error']
+    for row in (results[0], results[2]):
+        assert 'no pretrained weights' in row['error'] and '--checkpoint' in row['error']
 
 
 def write_arch_mismatch(tmp_path):
