@@ -52,14 +52,15 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValidationError(f'--device {name!r} is not a device ({one_line(e)}); use e.g. cuda, cuda:1 or cpu')
+        raise ValidationError(f'--device {name!r} is not a device ({one_line(e)}); use e.g. cuda, cuda:1 or cpu') \
+            from None
     if device.type == 'cuda' and not torch.cuda.is_available():
         _logger.warning(f'CUDA is not available here: validating on the CPU instead of {name}.')
         return torch.device('cpu')
     try:
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as e:
-        raise ValidationError(f'--device {name} cannot be used ({one_line(e)}); pick an available device')
+        raise ValidationError(f'--device {name} cannot be used ({one_line(e)}); pick an available device') from None
     return device
 
 
@@ -75,7 +76,6 @@ class EvalModel:
     channels_last: bool
     param_count: int
     crop_pct: float
-    num_classes: int
 
 
 def build_eval_model(args, model_name: str, checkpoint: Optional[str], device: torch.device) -> EvalModel:
@@ -155,9 +155,8 @@ def build_eval_model(args, model_name: str, checkpoint: Optional[str], device: t
         else:
             model = nn.DataParallel(model, device_ids=list(range(args.num_gpu)))
     model.eval()
-    classes = num_classes if num_classes is not None else getattr(model, 'num_classes', 0)
     return EvalModel(model, model_name, device, data_config, amp, model_dtype, args.channels_last, param_count,
-                     1.0 if test_time_pool else data_config['crop_pct'], classes)
+                     1.0 if test_time_pool else data_config['crop_pct'])
 
 
 def build_eval_dataset(args, em: EvalModel):
@@ -195,27 +194,21 @@ class EvalTotals:
     """Running sums of an evaluation pass, kept on the device so batches need no host sync until logged."""
     samples: int = 0
     batches: int = 0
-    loss_sum: Optional[torch.Tensor] = None
-    top1_sum: Optional[torch.Tensor] = None
-    top5_sum: Optional[torch.Tensor] = None
+    sums: Optional[torch.Tensor] = None  # sample-weighted loss, top-1 and top-5
     preds: List[torch.Tensor] = field(default_factory=list)
     targets: List[torch.Tensor] = field(default_factory=list)
 
     def add(self, n: int, loss: torch.Tensor, acc1: torch.Tensor, acc5: torch.Tensor) -> None:
-        stats = torch.stack([loss.float() * n, acc1.float() * n, acc5.float() * n])
-        if self.loss_sum is None:
-            self.loss_sum, self.top1_sum, self.top5_sum = stats.unbind()
-        else:
-            self.loss_sum, self.top1_sum, self.top5_sum = (torch.stack([self.loss_sum, self.top1_sum, self.top5_sum])
-                                                           + stats).unbind()
+        batch = torch.stack([loss.float(), acc1.float(), acc5.float()]) * n
+        self.sums = batch if self.sums is None else self.sums + batch
         self.samples += n
         self.batches += 1
 
     def averages(self) -> Dict[str, float]:
         if not self.samples:
             return {'loss': float('nan'), 'top1': 0.0, 'top5': 0.0}
-        loss, top1, top5 = torch.stack([self.loss_sum, self.top1_sum, self.top5_sum]).tolist()
-        return {'loss': loss / self.samples, 'top1': top1 / self.samples, 'top5': top5 / self.samples}
+        loss, top1, top5 = (self.sums / self.samples).tolist()
+        return {'loss': loss, 'top1': top1, 'top5': top5}
 
 
 def evaluate(em: EvalModel, loader, totals: EvalTotals, *, valid_labels: Optional[Sequence[int]] = None,
@@ -250,7 +243,7 @@ def evaluate(em: EvalModel, loader, totals: EvalTotals, *, valid_labels: Optiona
                 totals.preds.append(predictions)
                 totals.targets.append(target.cpu())
             if (totals.batches - 1) % log_freq == 0:
-                avg = totals.averages()  # syncs the device: the only sync of the loop
+                avg = totals.averages()  # syncs the device (otherwise only metrics or ReaL labels do)
                 now = time.perf_counter()
                 rate = (totals.samples - logged_samples) / max(now - logged_time, 1e-9)
                 logged_samples, logged_time = totals.samples, now
