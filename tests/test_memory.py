@@ -1,0 +1,129 @@
+"""timm_ext.memory: budget parsing, real RLIMIT_DATA caps (in subprocesses), peak measurement, cap lifting."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from timm_ext.memory import BudgetError, MemoryBudget, format_bytes, parse_budget, physical_memory
+
+from conftest import REPO_ROOT
+
+linux_only = pytest.mark.skipif(sys.platform != 'linux', reason='CPU caps need Linux RLIMIT_DATA and /proc')
+
+
+@pytest.mark.parametrize('text, expected', [
+    ('12GiB', MemoryBudget(num_bytes=12 << 30)),
+    ('12gib', MemoryBudget(num_bytes=12 << 30)),
+    ('500MB', MemoryBudget(num_bytes=500 * 10 ** 6)),
+    ('1.5G', MemoryBudget(num_bytes=int(1.5 * (1 << 30)))),
+    ('64 MiB', MemoryBudget(num_bytes=64 << 20)),
+    ('0.8', MemoryBudget(fraction=0.8)),
+    ('1', MemoryBudget(fraction=1.0)),
+    ('80%', MemoryBudget(fraction=0.8)),
+])
+def test_parse_budget(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize('text, fragment', [
+    ('12', 'has no unit'),
+    ('1.5', 'has no unit'),
+    ('0', 'must be positive'),
+    ('-3GiB', 'not a size'),
+    ('12 parsecs', 'unknown unit'),
+    ('lots', 'not a size'),
+    ('150%', 'more than 100%'),
+])
+def test_parse_budget_rejects(text, fragment):
+    with pytest.raises(BudgetError, match=fragment) as info:
+        parse_budget(text)
+    assert '\n' not in str(info.value)
+
+
+def test_format_bytes():
+    assert format_bytes(None) == '-'
+    assert format_bytes(512) == '512 B'
+    assert format_bytes(3 << 20) == '3.00 MiB'
+    assert format_bytes(int(1.5 * (1 << 30))) == '1.50 GiB'
+
+
+@linux_only
+def test_budget_larger_than_device_is_an_error():
+    too_big = MemoryBudget(num_bytes=physical_memory('cpu') * 4)
+    with pytest.raises(BudgetError, match='larger than'):
+        too_big.resolve('cpu')
+    assert MemoryBudget(fraction=0.5).resolve('cpu') > 0
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (a cap must never land on the test process)."""
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, env={'PYTHONPATH': str(REPO_ROOT), 'OMP_NUM_THREADS': '1'})
+
+
+@linux_only
+def test_cpu_cap_gives_a_real_catchable_oom_and_is_lifted():
+    result = run_python('''
+        import resource, torch
+        from timm_ext.memory import memory_cap
+        from timm_ext.oom import is_oom
+        before = resource.getrlimit(resource.RLIMIT_DATA)
+        with memory_cap('cpu', 64 << 20) as cap:
+            inside = resource.getrlimit(resource.RLIMIT_DATA)
+            small = torch.ones(4 << 20, dtype=torch.uint8)      # 4 MiB: fits
+            try:
+                torch.ones(256 << 20, dtype=torch.uint8)         # 256 MiB: over the cap
+                print('NO-OOM')
+            except RuntimeError as e:
+                print('OOM', is_oom(e))
+        after = resource.getrlimit(resource.RLIMIT_DATA)
+        print('capped', inside[0] != before[0], 'restored', after == before)
+        print('big-after', torch.ones(256 << 20, dtype=torch.uint8).numel() == 256 << 20)
+    ''')
+    assert result.returncode == 0, result.stderr
+    assert 'OOM True' in result.stdout
+    assert 'capped True restored True' in result.stdout
+    assert 'big-after True' in result.stdout
+
+
+@linux_only
+def test_cap_is_lifted_on_keyboard_interrupt():
+    result = run_python('''
+        import resource
+        from timm_ext.memory import memory_cap
+        before = resource.getrlimit(resource.RLIMIT_DATA)
+        try:
+            with memory_cap('cpu', 32 << 20):
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        print('restored', resource.getrlimit(resource.RLIMIT_DATA) == before)
+    ''')
+    assert result.returncode == 0, result.stderr
+    assert 'restored True' in result.stdout
+
+
+@linux_only
+def test_peak_meter_measures_what_the_cap_counts():
+    result = run_python('''
+        import torch
+        from timm_ext.memory import PeakMeter, memory_cap
+        with memory_cap('cpu', 512 << 20) as cap:
+            meter = PeakMeter('cpu', cap.baseline)
+            meter.reset()
+            x = torch.ones(96 << 20, dtype=torch.uint8)  # 96 MiB held for a while, then freed
+            for _ in range(20):
+                x.add_(1)
+            del x
+            peak = meter.peak()
+            meter.reset()
+            y = torch.ones(8 << 20, dtype=torch.uint8)
+            y.add_(1)
+            small = meter.peak()
+        print(peak >> 20, small >> 20)
+    ''')
+    assert result.returncode == 0, result.stderr
+    peak_mib, small_mib = map(int, result.stdout.split())
+    assert 96 <= peak_mib < 96 + 16
+    assert 8 <= small_mib < peak_mib

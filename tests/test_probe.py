@@ -1,0 +1,244 @@
+"""timm_ext.probe: the grow-then-bisect search, headroom, selection, and real trials under a real RLIMIT_DATA cap."""
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from timm_ext.batch_decay import batch_descent
+from timm_ext.probe import (
+    DecayGrid, MultipleGrid, NothingFitsError, Trial, TrialError, agree_across_ranks, format_trial, headroom_accept,
+    search_batch_size, select_batch_size,
+)
+
+from conftest import REPO_ROOT
+
+linux_only = pytest.mark.skipif(sys.platform != 'linux', reason='CPU caps need Linux RLIMIT_DATA and /proc')
+
+
+class Boundary:
+    """A trial function with a known boundary: sizes <= `limit` fit with peak `per_sample` x size; records calls.
+
+    Stands in for a device only where the search's arithmetic is under test; real OOMs are tested below.
+    """
+
+    def __init__(self, limit: int, per_sample: int = 10, error_at: int = 0):
+        self.limit, self.per_sample, self.error_at = limit, per_sample, error_at
+        self.calls = []
+
+    def __call__(self, batch_size: int) -> Trial:
+        self.calls.append(batch_size)
+        if batch_size == self.error_at:
+            return Trial(batch_size, 'error', error='ValueError: shapes do not match')
+        if batch_size > self.limit:
+            return Trial(batch_size, 'oom', error='RuntimeError: out of memory')
+        return Trial(batch_size, 'fit', peak_bytes=batch_size * self.per_sample, ms_per_step=1.0,
+                     samples_per_s=1000.0 * batch_size)
+
+
+def largest_on_grid(limit: int, grid_sizes) -> int:
+    return max(s for s in grid_sizes if s <= limit)
+
+
+@pytest.mark.parametrize('limit', [2, 3, 5, 37, 100, 700, 1000, 3000])
+@pytest.mark.parametrize('start', [1, 2, 8])
+def test_search_finds_largest_grid_size_within_trial_bound(limit, start):
+    trial = Boundary(limit)
+    trials = search_batch_size(trial, start)
+    found = select_batch_size(trials).batch_size
+    grid = batch_descent(8192)
+    if limit >= start:
+        assert found == largest_on_grid(limit, grid)
+        assert len(trials) <= math.ceil(math.log2(found / start)) + 4
+    assert trial.calls == [t.batch_size for t in trials]
+    assert len(set(trial.calls)) == len(trial.calls), 'a size was tried twice'
+
+
+def test_search_grows_by_doubling_then_bisects_on_the_grid():
+    trial = Boundary(100)
+    search_batch_size(trial, 1)
+    assert trial.calls == [1, 2, 4, 8, 16, 32, 64, 128, 96]
+
+
+def test_batch_multiple_grid():
+    trial = Boundary(100)
+    trials = search_batch_size(trial, 16, grid=MultipleGrid(8))
+    assert select_batch_size(trials).batch_size == 96
+    assert all(s % 8 == 0 for s in trial.calls)
+    assert MultipleGrid(8).snap(13) == 8 and MultipleGrid(8).between(8, 40) == [16, 24, 32]
+
+
+def test_max_batch_stops_growth_and_start_equal_max_probes_down():
+    trial = Boundary(1000)
+    trials = search_batch_size(trial, 4, max_batch=100)
+    assert trial.calls == [4, 8, 16, 32, 64, 100]
+    assert select_batch_size(trials).batch_size == 100
+    down = Boundary(100)
+    trials = search_batch_size(down, 250, max_batch=250)
+    assert down.calls[0] == 250  # the asked size first, as validate.py --retry needs
+    assert select_batch_size(trials).batch_size == 96
+
+
+def test_non_oom_error_stops_the_search_and_is_reported():
+    trial = Boundary(1000, error_at=16)
+    trials = search_batch_size(trial, 2)
+    assert trial.calls == [2, 4, 8, 16]
+    with pytest.raises(TrialError, match='not out-of-memory.*shapes do not match') as info:
+        select_batch_size(trials, context='model m at 3x32x32')
+    assert 'model m at 3x32x32' in str(info.value) and 'not retried' in str(info.value)
+
+
+def test_nothing_fits():
+    trials = search_batch_size(Boundary(0), 4)
+    assert [t.batch_size for t in trials] == [4, 1, 2] or trials[-1].batch_size == 1
+    with pytest.raises(NothingFitsError, match='batch 1 ran out of memory'):
+        select_batch_size(trials, context='budget 1 MiB')
+
+
+def test_headroom_moves_the_boundary_to_the_measured_peak():
+    budget = 1000
+    trial = Boundary(10_000, per_sample=10)  # the cap is far away; the headroom decides
+    trials = search_batch_size(trial, 1, accept=headroom_accept(budget, 0.2))
+    chosen = select_batch_size(trials)
+    assert chosen.trial.peak_bytes <= 0.8 * budget
+    assert chosen.batch_size == 64  # 80 (peak 800) is not on the grid; 96 (960) is over the headroom
+    over = [t for t in trials if t.fits and not t.accepted]
+    assert over and all(t.peak_bytes > 0.8 * budget for t in over)
+    assert 'over headroom' in format_trial(over[0], budget)
+    with pytest.raises(ValueError):
+        headroom_accept(budget, 1.0)
+
+
+def test_throughput_selection_picks_smallest_within_tolerance():
+    speeds = {8: 100.0, 16: 180.0, 32: 195.0, 64: 200.0, 128: 199.0}
+    trials = [Trial(b, 'fit', peak_bytes=b, ms_per_step=b / s * 1000, samples_per_s=s, accepted=True)
+              for b, s in speeds.items()]
+    assert select_batch_size(trials, 'throughput', 0.05).batch_size == 32
+    assert select_batch_size(trials, 'throughput', 0.0).batch_size == 64
+    assert select_batch_size(trials, 'max').batch_size == 128
+
+
+def test_agree_across_ranks_without_a_process_group_is_the_trial_itself():
+    trial = agree_across_ranks(Boundary(10))
+    assert trial(8).status == 'fit' and trial(16).status == 'oom'
+
+
+def run_python(code: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, env={'PYTHONPATH': str(REPO_ROOT), 'OMP_NUM_THREADS': '1'})
+
+
+@linux_only
+@pytest.mark.parametrize('isolate', [False, True])
+def test_measured_trial_real_oom_under_cap(isolate):
+    """Plain allocations under a real cap: the boundary is where the bytes run out, and the cap is lifted after."""
+    result = run_python(f'''
+        import json, resource, time, torch
+        from timm_ext.memory import PeakMeter, memory_cap
+        from timm_ext.probe import MultipleGrid, measured_trial, search_batch_size, select_batch_size
+        def step(batch_size):  # 1 MiB per sample, held together for a few ms, like activations
+            chunks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(batch_size)]
+            time.sleep(0.005)  # the peak sampler reads every 0.5 ms; a real step holds its memory far longer
+            return sum(int(c[0]) for c in chunks)
+        before = resource.getrlimit(resource.RLIMIT_DATA)
+        with memory_cap('cpu', 64 << 20) as cap:
+            trial = measured_trial(step, 'cpu', PeakMeter('cpu', cap.baseline), capped=True, isolate={isolate})
+            trials = search_batch_size(trial, 4, grid=MultipleGrid(4))
+        print(json.dumps({{'chosen': select_batch_size(trials).batch_size,
+                          'trials': [t.to_dict() for t in trials],
+                          'restored': resource.getrlimit(resource.RLIMIT_DATA) == before}}))
+    ''')
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out['restored']
+    assert 48 <= out['chosen'] <= 64  # 64 MiB budget, 1 MiB per sample, a little taken by the interpreter
+    ooms = [t for t in out['trials'] if t['status'] == 'oom']
+    assert ooms and all("can't allocate memory" in t['error'] for t in ooms)
+    assert min(t['batch_size'] for t in ooms) == out['chosen'] + 4  # the next multiple of 4 failed
+    fits = [t for t in out['trials'] if t['status'] == 'fit']
+    for t in fits:  # the measured peak is what the cap counts: about 1 MiB a sample, never over the budget
+        assert t['batch_size'] << 20 <= t['peak_bytes'] <= 64 << 20
+
+
+TRAIN_PROBE = '''
+import json, resource, sys, torch
+from timm_ext.distributed import init_device
+from timm_ext.memory import parse_budget
+from timm_ext.probe_train import build_train_trial, probe_train_batch
+from timm_ext.train_args import parse_args
+args, _ = parse_args(['--model', 'test_vit', '--model-kwargs', 'img_size=64', '--img-size', '64', '--device', 'cpu',
+                      '--num-classes', '3', '--opt', 'adamw', '--model-ema'])
+device = init_device(args)
+before = resource.getrlimit(resource.RLIMIT_DATA)
+max_batch = int(sys.argv[2]) if len(sys.argv) > 2 else None
+out = probe_train_batch(build_train_trial(args, device), parse_budget(sys.argv[1]), headroom=0.0, start=2,
+                        max_batch=max_batch)
+print(json.dumps({'chosen': out.selection.batch_size, 'trials': [t.to_dict() for t in out.trials],
+                  'restored': resource.getrlimit(resource.RLIMIT_DATA) == before, 'budget': out.budget}))
+'''
+
+
+def run_train_probe(budget: str, *extra: str) -> dict:
+    result = subprocess.run([sys.executable, '-c', TRAIN_PROBE, budget, *extra], capture_output=True, text=True,
+                            timeout=240, cwd=REPO_ROOT, env={'PYTHONPATH': str(REPO_ROOT), 'OMP_NUM_THREADS': '1'})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope='module')
+def probe_40mib():
+    return run_train_probe('40MiB')
+
+
+@linux_only
+def test_training_probe_finds_the_boundary_under_a_real_cap(probe_40mib):
+    out = probe_40mib
+    trials = out['trials']
+    assert out['restored'], 'the cap must be lifted after probing'
+    chosen = out['chosen']
+    assert 2 <= chosen < 512, 'a 40 MiB cap must bind at a small batch'
+    by_size = {t['batch_size']: t for t in trials}
+    assert by_size[chosen]['status'] == 'fit'
+    failed_above = [t for t in trials if t['batch_size'] > chosen]
+    assert failed_above and all(t['status'] == 'oom' for t in failed_above), 'every larger size tried ran out'
+    # nothing on the grid between the choice and the smallest failure is left untried
+    first_fail = min(t['batch_size'] for t in failed_above)
+    assert DecayGrid().between(chosen, first_fail) == []
+    assert len(trials) <= math.ceil(math.log2(chosen / 2)) + 4
+    for t in trials:
+        if t['status'] == 'fit':
+            assert 0 < t['peak_bytes'] <= out['budget'] and t['samples_per_s'] > 0
+
+
+@linux_only
+def test_training_probe_grows_with_the_budget(probe_40mib):
+    larger = run_train_probe('72MiB', str(4 * probe_40mib['chosen']))
+    assert larger['chosen'] > probe_40mib['chosen']
+
+
+@linux_only
+def test_throughput_selection_on_a_real_sweep():
+    """Time a real sweep of batch sizes (no cap), then check the throughput choice against it."""
+    result = run_python('''
+        import json, torch, timm
+        from timm_ext.probe import measured_trial, select_batch_size
+        model = timm.create_model('test_resnet', num_classes=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        def step(b):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(b, 3, 32, 32)), torch.randint(0, 3, (b,)))
+            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        trial = measured_trial(step, 'cpu', warmup_steps=1, timed_steps=2)
+        trials = [trial(b) for b in (2, 4, 8, 16, 32)]
+        for t in trials:
+            t.accepted = t.fits
+        sel = select_batch_size(trials, 'throughput', 0.05)
+        print(json.dumps({'chosen': sel.batch_size, 'trials': [t.to_dict() for t in trials]}))
+    ''')
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    speeds = {t['batch_size']: t['samples_per_s'] for t in out['trials']}
+    best = max(speeds.values())
+    assert speeds[out['chosen']] >= 0.95 * best
+    assert all(speeds[b] < 0.95 * best for b in speeds if b < out['chosen']), 'a smaller size was within 5%'
