@@ -126,8 +126,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: List[str]) -> int:
     """Probe on `--nproc` ranks (torchrun, --dry-run), then launch training from here through distributed_train.sh."""
     config_path = args.tuned_config or default_config_path(args)
+    # the ranks learn the world size from torchrun; an '--nproc' token would also trip torchrun's own parser
+    rank_argv, skip = [], False
+    for token in argv:
+        if skip or token == '--nproc' or token.startswith('--nproc='):
+            skip = token == '--nproc'
+            continue
+        rank_argv.append(token)
     probe_cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={args.nproc}',
-                 os.path.join(SCRIPT_DIR, 'tune_batch.py'), *argv, '--dry-run', '--tuned-config', config_path]
+                 os.path.join(SCRIPT_DIR, 'tune_batch.py'), *rank_argv, '--dry-run', '--tuned-config', config_path]
     rc = subprocess.call(probe_cmd)
     if rc != 0 or args.dry_run:
         return rc

@@ -1,0 +1,241 @@
+"""tune_batch.py: accumulation/LR planning, the YAML read back by train.py, dry-run report, cache, failures, and a
+short real tune -> train -> validate run. Probes run under real RLIMIT_DATA caps in subprocesses."""
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, parse_args
+from timm_ext.tune_plan import config_values, extension_flags, plan_run, tuned_config_text
+
+from conftest import REPO_ROOT, run_script
+
+pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
+
+# test_resnet at 32 px: a 48 MiB budget binds at a micro-batch of 16 on CPU, below the 24-image train split
+RUN = ['--model', 'test_resnet', '--device', 'cpu', '--num-classes', '3', '--img-size', '32', '-j', '0']
+BUDGET = ['--mem-budget', '48MiB']
+
+
+def train_namespace(*argv: str) -> argparse.Namespace:
+    args, _ = parse_args(list(argv))
+    return args
+
+
+# ---- planning (pure) ---------------------------------------------------------------------------------------------
+
+def test_plan_exact_global_batch_keeps_lr():
+    args = train_namespace('--lr', '0.4', '--opt', 'sgd')
+    plan = plan_run(args, max_micro_batch=20, world_size=2, target_global=96)
+    assert (plan.micro_batch, plan.accum_steps, plan.global_batch, plan.exact) == (16, 3, 96, True)
+    assert plan.lr == 0.4 and plan.lr_to_write == 0.4
+
+
+def test_plan_exact_global_batch_lr_from_base():
+    args = train_namespace('--opt', 'sgd', '--lr-base', '0.1', '--lr-base-size', '256')
+    plan = plan_run(args, max_micro_batch=64, world_size=1, target_global=512)
+    assert (plan.micro_batch, plan.accum_steps, plan.exact) == (64, 8, True)
+    assert plan.lr == pytest.approx(0.2) and plan.lr_to_write is None  # train.py computes the same itself
+    assert plan.lr_rule == 'linear'
+
+
+def test_plan_inexact_global_batch_rescales_given_lr():
+    args = train_namespace('--lr', '0.001', '--opt', 'adamw')  # sqrt rule for ada* optimizers
+    plan = plan_run(args, max_micro_batch=20, world_size=1, target_global=97)  # prime: no split with b >= 10
+    assert not plan.exact and plan.global_batch != 97
+    assert plan.lr == pytest.approx(0.001 * (plan.global_batch / 97) ** 0.5)
+    assert plan.lr_to_write == plan.lr and plan.lr_rule == 'sqrt'
+    assert 'rescaled by the sqrt rule' in plan.lr_reason
+
+
+def test_plan_inexact_global_batch_lr_from_base_follows_real_global():
+    args = train_namespace('--opt', 'sgd')
+    plan = plan_run(args, max_micro_batch=20, world_size=1, target_global=97)
+    assert plan.lr == pytest.approx(0.1 * plan.global_batch / 256)
+    assert 'instead of 97' in plan.lr_reason
+
+
+def test_plan_without_target_keeps_accumulation():
+    args = train_namespace('--grad-accum-steps', '3')
+    plan = plan_run(args, max_micro_batch=40, world_size=2)
+    assert (plan.micro_batch, plan.accum_steps, plan.global_batch, plan.exact) == (40, 3, 240, None)
+
+
+def test_config_holds_only_stock_keys_and_reads_back_identically(tmp_path):
+    parser = build_parser()
+    argv = ['--data-dir', '/data', '--model', 'test_vit', '--opt', 'adamw', '--model-ema', '--smoothing', '0.0',
+            '--input-size', '3', '48', '48', '--model-kwargs', 'depth=2', '--log-noise-scale']
+    args = train_namespace(*argv)
+    plan = plan_run(args, max_micro_batch=24, world_size=1, target_global=97)
+    ext = [a.dest for g in parser._action_groups if g.title == EXTENSIONS_GROUP for a in g._group_actions]
+    stock = [a.dest for a in parser._actions if a.dest not in ext and a.dest not in ('help', 'config')]
+    values = config_values(args, parser, stock, plan)
+    assert not set(values) & set(ext), 'extension keys must stay out of the YAML'
+    path = tmp_path / 'tuned.yaml'
+    path.write_text(tuned_config_text(values, ['report line', 'log_noise_scale: true']))
+    assert yaml.safe_load(path.read_text()) == values
+    flags = extension_flags(args, parser, ext)
+    assert flags == ['--log-noise-scale']
+    read_back, _ = parse_args(['-c', str(path), *flags])
+    expected = vars(args) | {'batch_size': plan.micro_batch, 'grad_accum_steps': plan.accum_steps,
+                             'lr': plan.lr_to_write}
+    assert vars(read_back) == expected
+
+
+# ---- the script ---------------------------------------------------------------------------------------------------
+
+def tune(tmp_path: Path, image_folder: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}
+    return run_script('tune_batch.py', '--data-dir', image_folder, *RUN, *extra, env=env, cwd=tmp_path,
+                      timeout=timeout)
+
+
+def trial_lines(stdout: str):
+    return [line for line in stdout.splitlines() if line.startswith('  batch ')]
+
+
+@pytest.fixture(scope='module')
+def dry_run(tmp_path_factory, image_folder):
+    tmp_path = tmp_path_factory.mktemp('tune')
+    config = tmp_path / 'tuned.yaml'
+    first = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--tuned-config', config,
+                 '--opt', 'adamw', '--dry-run')
+    return tmp_path, config, first
+
+
+def test_dry_run_report(dry_run):
+    tmp_path, config, result = dry_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    lines = trial_lines(out)
+    assert len(lines) >= 3 and any(' fit ' in line for line in lines)
+    assert any('oom' in line or 'over headroom' in line for line in lines), 'the 48 MiB cap must bind'
+    for needle in ('Trials:', 'micro-batch', 'Accumulation', 'global batch 96', 'LR ', 'sqrt', 'Train command:'):
+        assert needle in out
+    assert config.exists() and (tmp_path / 'tuned.trials.json').exists()
+    assert not (tmp_path / 'output' / 'train').exists(), '--dry-run must not train'
+
+
+def test_dry_run_config_is_read_back_by_train_parser(dry_run, image_folder):
+    tmp_path, config, result = dry_run
+    values = yaml.safe_load(config.read_text())
+    assert values['batch_size'] * values['grad_accum_steps'] == 96
+    assert 'lr' not in values  # from --lr-base: train.py computes the same LR itself
+    read_back, _ = parse_args(['-c', str(config)])
+    expected, _ = parse_args(['--data-dir', str(image_folder), *RUN, '--opt', 'adamw',
+                              '--batch-size', str(values['batch_size']),
+                              '--grad-accum-steps', str(values['grad_accum_steps'])])
+    assert vars(read_back) == vars(expected)
+
+
+def test_second_identical_request_is_a_cache_hit(dry_run, image_folder):
+    tmp_path, config, first = dry_run
+    again = tmp_path / 'again.yaml'
+    second = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--tuned-config', again,
+                  '--opt', 'adamw', '--dry-run')
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert 'cached result' in second.stdout and not trial_lines(second.stdout)
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith('# Train with')]
+    assert strip(again.read_text()) == strip(config.read_text())
+    # a different request (another optimizer) is not served from the cache
+    other = tune(tmp_path, image_folder, *BUDGET, '--tuned-config', tmp_path / 'other.yaml', '--dry-run',
+                 '--max-batch', '4')
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert 'cached result' not in other.stdout and trial_lines(other.stdout)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if 'error' in line or 'interrupted' in line]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert 'Traceback' not in result.stderr
+    return lines[0]
+
+
+def test_nothing_fits_names_budget_model_input_and_suggestions(tmp_path, image_folder):
+    # test_vit has no BatchNorm, so batch 1 is a real candidate (and runs out of memory too)
+    result = tune(tmp_path, image_folder, '--model', 'test_vit', '--model-kwargs', 'img_size=32',
+                  '--mem-budget', '2MiB', '--dry-run', '--no-cache')
+    assert result.returncode == 1
+    line = one_line_error(result)
+    for needle in ('nothing fits', '2.00 MiB', 'test_vit', '3x32x32', '--amp', '--grad-checkpointing'):
+        assert needle in line
+    assert not (tmp_path / 'cache').exists() or not any((tmp_path / 'cache').iterdir())
+
+
+def test_budget_larger_than_device_is_an_error(tmp_path, image_folder):
+    result = tune(tmp_path, image_folder, '--mem-budget', '100TiB', '--dry-run')
+    assert result.returncode == 2
+    assert 'larger than' in one_line_error(result)
+
+
+@pytest.mark.parametrize('argv, fragment', [
+    (['--mem-budget', '12'], 'has no unit'),
+    (['--mem-budget', '0.5x'], 'unknown unit'),
+    (['--mem-headroom', '1.5'], 'in [0, 1)'),
+    (['--batch-multiple', '0'], 'positive integer'),
+])
+def test_bad_tune_flags_are_one_line_argument_errors(capsys, argv, fragment):
+    spec = importlib.util.spec_from_file_location('tune_batch_script', REPO_ROOT / 'tune_batch.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as info:
+        module.main(['--model', 'test_resnet', *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment in err
+
+
+def test_non_oom_failure_stops_without_retries(tmp_path, image_folder):
+    # BatchNorm cannot train on one sample at 1x1 spatial size: a ValueError, not an OOM
+    result = tune(tmp_path, image_folder, *BUDGET, '--probe-start', '1', '--max-batch', '1', '--dry-run')
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert 'ValueError' in line and 'Expected more than 1 value per channel' in line
+    assert not trial_lines(result.stdout)
+
+
+def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_folder):
+    cache = tmp_path / 'cache'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TIMM_EXT_CACHE_DIR': str(cache)}
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), *RUN, *BUDGET,
+         '--dry-run'], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # interrupt once the first trial is reported
+            if line.startswith('  batch '):
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert 'interrupted' in err and 'Traceback' not in err
+    assert not cache.exists() or not any(cache.iterdir())
+    assert not (tmp_path / 'output' / 'tune' / 'test_resnet-32.yaml').exists()
+
+
+def test_tune_then_train_then_validate(tmp_path, image_folder):
+    out_dir = tmp_path / 'runs'
+    result = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '32', '--epochs', '1',
+                  '--output', out_dir, '--experiment', 'tuned', '--tuned-config', tmp_path / 'tuned.yaml',
+                  timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    values = yaml.safe_load((tmp_path / 'tuned.yaml').read_text())
+    run_dir = out_dir / 'tuned'
+    args_yaml = yaml.safe_load((run_dir / 'args.yaml').read_text())
+    assert args_yaml['batch_size'] == values['batch_size']
+    assert args_yaml['grad_accum_steps'] == values['grad_accum_steps']
+    assert values['batch_size'] * values['grad_accum_steps'] == 32
+    assert (run_dir / 'model_best.pth.tar').exists()
+    validated = run_script('validate.py', '--data-dir', image_folder, '--model', 'test_resnet', '--num-classes', '3',
+                           '--checkpoint', run_dir / 'model_best.pth.tar', '--device', 'cpu', '--img-size', '32',
+                           '-j', '0', '--results-file', tmp_path / 'results.csv', cwd=tmp_path)
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    assert 'top1' in (tmp_path / 'results.csv').read_text()
