@@ -60,13 +60,20 @@ def test_retry_under_a_real_memory_cap_probes_down_then_runs_once(image_folder, 
     failed = [int(s) for s in re.findall(r'(\d+) OOM', probe.group(1))]
     # the 24-image set caps the first trial at 24; 24 cannot fit in the budget, so the log names it
     assert failed and failed[0] == 24 and failed == sorted(failed, reverse=True)
-    assert result['batch_size'] == int(probe.group(2)) < min(failed)
-    assert 'ran out of memory' not in proc.stderr, 'the probed size ran the whole pass'
-    assert proc.stderr.count('Test: [') >= 24 // result['batch_size'], 'the pass ran once, at the probed size'
+    probed = int(probe.group(2))
+    assert probed < min(failed)
+    # glibc's heap can grow over a pass under a cap (fragmentation): then the pass continues at a smaller size,
+    # and the log says so for each step; nothing is rebuilt and no sample is counted twice
+    steps = [(int(a), int(b)) for a, b in re.findall(r'Batch size (\d+) ran out of memory after \d+ samples '
+                                                     r'.*; continuing at (\d+)', proc.stderr)]
+    sizes_run = [probed] + [b for _, b in steps]
+    assert [a for a, _ in steps] == sizes_run[:-1] and result['batch_size'] == sizes_run[-1]
+    assert proc.stderr.count('Model test_resnet created') == 1
+    assert re.findall(r'Test: \[.*?\]\s+(\d+) samples', proc.stderr)[-1] == '24'
 
-    # same numbers as an uncapped run at that batch size
+    # same numbers as an uncapped run at the probed size
     plain = subprocess.run([sys.executable, 'validate.py', '--data-dir', str(image_folder), '--checkpoint',
-                            str(checkpoint), *CAPPED_ARGS, '-b', str(result['batch_size'])],
+                            str(checkpoint), *CAPPED_ARGS, '-b', str(probed)],
                            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     reference = printed_result(plain)
     assert result['top1'] == reference['top1'] and result['top5'] == reference['top5']
