@@ -14,6 +14,7 @@ import sys
 
 from timm.utils import setup_default_logging
 
+from timm_ext.memory import free_memory
 from timm_ext.results import write_results
 from timm_ext.validate_args import parse_validate_args
 from timm_ext.validate_jobs import JobsError, resolve_jobs
@@ -50,6 +51,7 @@ def run_bulk(args, jobs, device):
             done.append(row)
         if checkpoint:
             row['checkpoint'] = checkpoint
+        free_memory(device)  # the next model starts from what this one left
     return sorted(done, key=lambda r: r['top1'], reverse=True) + failed, bool(done) or not failed
 
 
