@@ -13,6 +13,7 @@ the same (the worst) outcome, hence the same path through the search and the sam
 """
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -371,9 +372,11 @@ def measured_trial(
 ) -> TrialFn:
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
-    The trial frees memory, resets the peak meter, runs `warmup_steps` then `timed_steps` steps (peak covers all,
-    time only the timed ones), and reports fit, OOM or error. On a failure the traceback's frames are cleared and
-    memory freed before returning, so the next trial starts from the same state as the first.
+    The trial frees memory, resets the peak meter, runs `warmup_steps` then `timed_steps` steps (peak covers all),
+    and reports fit, OOM or error. The step time is the fastest timed step, as `timeit` advises: on a shared
+    machine the slower ones were disturbed by other work, not made slower by the batch. On a failure the
+    traceback's frames are cleared and memory freed before returning, so the next trial starts from the same state
+    as the first.
 
     Args:
         step: Runs one step at a batch size; OOMs and other errors propagate out of it.
@@ -399,11 +402,12 @@ def measured_trial(
             for _ in range(warmup_steps):
                 step(batch_size)
             _synchronize(device)
-            start = time.perf_counter()
+            seconds = math.inf
             for _ in range(timed_steps):
+                start = time.perf_counter()
                 step(batch_size)
-            _synchronize(device)
-            seconds = (time.perf_counter() - start) / max(timed_steps, 1)
+                _synchronize(device)
+                seconds = min(seconds, time.perf_counter() - start)
             peak = meter.peak()
         except Exception as e:  # every failure is reported as a trial; only OOMs let the search go on
             oom = is_oom(e) or (capped and device.type == 'cpu' and any(
@@ -411,8 +415,9 @@ def measured_trial(
             trial = Trial(batch_size, OOM if oom else ERROR, error=_one_line(e))
             traceback.clear_frames(e.__traceback__)  # the frames hold the failed step's activations
         else:
-            trial = Trial(batch_size, FIT, peak_bytes=peak, ms_per_step=seconds * 1000,
-                          samples_per_s=batch_size / seconds if seconds > 0 else None)
+            timed = math.isfinite(seconds) and seconds > 0
+            trial = Trial(batch_size, FIT, peak_bytes=peak, ms_per_step=seconds * 1000 if timed else None,
+                          samples_per_s=batch_size / seconds if timed else None)
         if before is not None:
             before()
         free_memory(device)

@@ -13,7 +13,6 @@ collective inside the step, so a rank that fails alone cannot leave the others w
 import argparse
 import copy
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -25,8 +24,8 @@ from timm.optim import create_optimizer_v2, optimizer_kwargs
 from .amp import resolve_amp
 from .memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .probe import (
-    ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept, measured_trial,
-    search_batch_size, select_batch_size,
+    ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
+    measured_trial, search_batch_size, select_batch_size,
 )
 from .train_loop import LoopConfig, TrainLoop
 from .train_setup import SetupError, build_model, build_task, build_train_loss, resolve_model_dtype
@@ -234,7 +233,3 @@ def nothing_fits_advice(args: argparse.Namespace) -> str:
     tips.append('a larger --mem-budget')
     return 'try ' + ', '.join(tips)
 
-
-def ceil_log2_bound(found: int, start: int) -> int:
-    """The trial count the probe promises for a grow-then-bisect search: ceil(log2(found / start)) + 4."""
-    return math.ceil(math.log2(max(found, start) / start)) + 4
