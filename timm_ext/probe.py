@@ -19,7 +19,7 @@ import signal
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -438,8 +438,8 @@ def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> 
     oneDNN caches the primitives (with their buffers) of every shape it has run, so under RLIMIT_DATA each trial
     would pay for the ones before it. A fork starts every trial from the same state, exactly as a fresh process
     would, and the rlimit is inherited. oneDNN also does not check every allocation: under a cap a child can die of
-    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the same step runs uncapped in the parent's
-    warm-up), never as a crash of the caller.
+    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the training probe first runs the same step
+    uncapped, so a step that crashes anyway is reported as the run's failure), never as a crash of the caller.
 
     GNU OpenMP's thread pool does not survive fork; if this process already runs other threads, the child computes
     with one thread.
