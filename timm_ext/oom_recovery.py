@@ -1,0 +1,180 @@
+"""Out-of-memory recovery for training that leaves the math alone: split micro-batches, keep every update.
+
+When a micro-batch's forward or backward runs out of memory, the training loop frees what the failed attempt held,
+doubles the number of pieces each loader batch is cut into (`MicroBatchSplitter.shrink`) and replays the window from
+its first batch. A piece's loss is weighted by its share of its batch, so the window's gradient is the mean over the
+very same samples: the global batch, the LR, the schedule and the data order do not change, and no sample is dropped
+or seen twice. The whole window is replayed, not just the failed micro-batch, because a backward that fails midway
+has already added part of its gradient to ``.grad``.
+
+Under DDP every rank must take the same decision at the same time, or one rank waits forever in a collective: while
+recovery is on, every rank shares a status after each piece (`agree_status`), all backward passes run without DDP's
+own gradient all-reduce, and the window's gradients are averaged explicitly once every rank is known to have
+finished it (`allreduce_gradients`).
+"""
+import math
+import resource
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .oom import should_retry
+
+__all__ = ['is_recoverable_oom', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory', 'RankFailed',
+           'agree_status', 'allreduce_gradients', 'split_batch', 'OK', 'OOM', 'FAILED']
+
+# per-rank status shared after each piece while recovery is on
+OK, OOM, FAILED = 0, 1, 2
+
+
+# oneDNN (CPU) reports a failed allocation as a failure to create its primitive; it means OOM only under a data cap
+_CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive',)
+
+
+def _cpu_data_capped() -> bool:
+    try:
+        return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def is_recoverable_oom(exc: BaseException, device: torch.device) -> bool:
+    """An OOM that a smaller micro-batch can fix: `timm_ext.oom.should_retry`, plus oneDNN's primitive-creation
+    failure on a CPU whose data segment is capped (RLIMIT_DATA), which is how oneDNN reports an allocation failure.
+    """
+    if should_retry(exc):
+        return True
+    if device.type != 'cpu' or not _cpu_data_capped():
+        return False
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in message for m in _CAPPED_CPU_OOM_MESSAGES)
+
+
+class OomRecoveryError(Exception):
+    """Out of memory even with a micro-batch of one sample: nothing smaller to try."""
+
+
+class WindowOutOfMemory(Exception):
+    """A piece of the window ran out of memory on one or more ranks (carries no frames, so memory can be freed).
+
+    Attributes:
+        ranks: The ranks that ran out of memory.
+        reason: The first line of this rank's error, or '' when only other ranks failed.
+    """
+
+    def __init__(self, ranks: List[int], reason: str = ''):
+        super().__init__(f'out of memory on rank(s) {ranks}: {reason}')
+        self.ranks = ranks
+        self.reason = reason
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed with an error that is not an OOM; this rank stops instead of waiting for it."""
+
+
+def split_batch(input: Any, target: torch.Tensor, pieces: int) -> List[Tuple[Any, torch.Tensor]]:
+    """Cut a batch into ``pieces`` consecutive slices of sizes differing by at most one (no copies).
+
+    ``input`` is a tensor or a dict of tensors (NaFlex patches, coordinates, ...) sharing the batch dimension.
+    """
+    if pieces <= 1:
+        return [(input, target)]
+    targets = target.tensor_split(pieces)
+    if isinstance(input, dict):
+        parts = {k: v.tensor_split(pieces) if torch.is_tensor(v) else [v] * pieces for k, v in input.items()}
+        inputs = [{k: v[i] for k, v in parts.items()} for i in range(pieces)]
+    else:
+        inputs = input.tensor_split(pieces)
+    return list(zip(inputs, targets))
+
+
+@dataclass
+class MicroBatchSplitter:
+    """How many pieces each loader batch is cut into, and when to try fewer again.
+
+    Attributes:
+        batch_size: The loader's batch size (per rank).
+        grow_back: Halve the pieces again after this many clean updates (None: never).
+        splits: Pieces per loader batch; the micro-batch in force is ceil(batch_size / splits).
+        clean_updates: Updates completed since the last change.
+    """
+    batch_size: int
+    grow_back: Optional[int] = None
+    splits: int = 1
+    clean_updates: int = 0
+
+    @property
+    def micro_batch(self) -> int:
+        """The largest piece of a full loader batch: the micro-batch in force."""
+        return math.ceil(self.batch_size / self.splits)
+
+    def split(self, input: Any, target: torch.Tensor, num_samples: int) -> List[Tuple[Any, torch.Tensor]]:
+        """The pieces of one loader batch of ``num_samples`` samples."""
+        return split_batch(input, target, min(self.splits, num_samples))
+
+    def shrink(self) -> Tuple[int, int]:
+        """Double the pieces per batch after an OOM; returns (old, new) micro-batch.
+
+        Raises:
+            OomRecoveryError: The micro-batch is already one sample.
+        """
+        old = self.micro_batch
+        if old <= 1:
+            raise OomRecoveryError('out of memory with a micro-batch of 1 sample')
+        self.splits = min(self.splits * 2, self.batch_size)
+        self.clean_updates = 0
+        return old, self.micro_batch
+
+    def after_clean_update(self) -> Optional[Tuple[int, int]]:
+        """Count an update that needed no recovery; every ``grow_back`` of them, halve the pieces.
+
+        Returns:
+            (old, new) micro-batch when it grew, else None.
+        """
+        self.clean_updates += 1
+        if self.grow_back is None or self.splits == 1 or self.clean_updates < self.grow_back:
+            return None
+        old = self.micro_batch
+        self.splits = max(1, self.splits // 2)
+        self.clean_updates = 0
+        return old, self.micro_batch
+
+    def state_dict(self) -> Dict[str, int]:
+        return {'batch_size': self.batch_size, 'splits': self.splits, 'micro_batch': self.micro_batch}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue with a checkpoint's micro-batch (re-derived when the loader batch size has changed)."""
+        if state.get('batch_size') == self.batch_size:
+            splits = int(state['splits'])
+        else:
+            splits = math.ceil(self.batch_size / max(1, int(state['micro_batch'])))
+        self.splits = max(1, min(splits, self.batch_size))
+        self.clean_updates = 0
+
+
+def agree_status(status: int, rank: int, world_size: int, device: torch.device) -> List[int]:
+    """Every rank's status after a piece (OK / OOM / FAILED), the same list on all ranks (one small all-reduce)."""
+    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    flags[rank] = status
+    dist.all_reduce(flags)
+    return flags.tolist()
+
+
+def allreduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int) -> None:
+    """Average ``.grad`` over ranks in place (what DDP's synchronising backward does, done after it instead).
+
+    Every trainable parameter takes part, in the same order on every rank: one without a gradient gets zeros, so
+    the collectives match even if a parameter was unused on some rank. In place, so it needs no extra memory.
+    """
+    grads = []
+    for p in params:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    works = [dist.all_reduce(g, async_op=True) for g in grads]
+    for work in works:
+        work.wait()
+    torch._foreach_div_(grads, world_size)
