@@ -4,7 +4,9 @@
 Every stock flag and `-c/--config` YAML works as in timm; what differs is fixed behaviour: exactly ceil(n/k)
 optimizer updates per epoch with gradient accumulation (a true mean in the shorter last window), no host sync per
 micro-batch, crash-safe checkpoints with a resume that continues inside an interrupted epoch, DDP on CPU (gloo),
-safetensors export of the best and last weights, and one-line errors for bad input.
+safetensors export of the best and last weights, and one-line errors for bad input. Beyond stock: `--oom-recover`
+survives out-of-memory errors with the same updates (smaller micro-batches, more accumulation), and
+`--log-noise-scale` estimates the critical batch size (noise_scale.csv).
 
     python train.py --data-dir /data/imagenet --model resnet50 -b 128 --amp
     ./distributed_train.sh 8 -c recipe.yaml
@@ -30,6 +32,8 @@ from timm_ext.accum import accumulation_windows
 from timm_ext.amp import resolve_amp
 from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
 from timm_ext.lr import resolve_lr
+from timm_ext.noise_monitor import noise_scale_problem, write_noise_scale_row
+from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import (
@@ -56,7 +60,7 @@ def main() -> int:
     except UsageError as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 2
-    except (SetupError, DeviceError, ckpt.CheckpointError) as e:
+    except (SetupError, DeviceError, ckpt.CheckpointError, OomRecoveryError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 1
     except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -80,6 +84,7 @@ def train(args, args_text: str) -> int:
 
     device = init_device(args)
     primary = utils.is_primary(args)
+    check_beyond_args(args)
     if args.distributed:
         _logger.info(f'Distributed training: process {args.rank} of {args.world_size}, device {args.device}.')
     else:
@@ -182,7 +187,8 @@ def train(args, args_text: str) -> int:
                 _logger.warning('--log-wandb asked but wandb is not installed (pip install wandb); not logging.')
 
     def state(epoch, metric=None):
-        return ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler)
+        extra = {'micro_batch': loop.splitter.state_dict()} if loop.splitter is not None else {}
+        return {**ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler), **extra}
 
     def save_recovery(epoch, update_idx):
         saver.save_recovery(
@@ -207,6 +213,9 @@ def train(args, args_text: str) -> int:
             rank=args.rank,
             naflex=args.naflex_loader,
             save_images_dir=output_dir if args.save_images else None,
+            oom_recover=args.oom_recover,
+            oom_grow_back=args.oom_grow_back,
+            log_noise_scale=args.log_noise_scale,
         ),
         amp_autocast=amp.autocast,
         grad_scaler=grad_scaler,
@@ -214,6 +223,11 @@ def train(args, args_text: str) -> int:
         lr_scheduler=lr_scheduler,
         save_recovery=save_recovery if saver is not None else None,
     )
+    if loop.splitter is not None and resumed is not None and resumed.get('micro_batch'):
+        loop.splitter.load_state_dict(resumed['micro_batch'])
+        if primary and loop.splitter.splits > 1:
+            _logger.info(f'OOM recovery: continuing with the checkpoint\'s micro-batch {loop.splitter.micro_batch} '
+                         f'({loop.splitter.splits} pieces per loader batch of {loop.splitter.batch_size}).')
     if primary:
         stepped = 'update' if lr_scheduler is not None and not lr_scheduler.t_in_epochs else 'epoch'
         _logger.info(f'Scheduled epochs: {num_epochs}, {updates_per_epoch} updates per epoch of '
@@ -233,6 +247,11 @@ def train(args, args_text: str) -> int:
                 if start.epoch_rng is not None and not args.distributed:
                     ckpt.set_rng_state(start.epoch_rng)  # replay the interrupted epoch's order and augmentation
             train_metrics = loop.train_one_epoch(epoch, loader_train, start_update)
+            noise = loop.noise_scale_summary()
+            if noise is not None and primary:
+                global_batch = args.batch_size * args.world_size * args.grad_accum_steps
+                _logger.info(f'Epoch {epoch}: {noise.message(global_batch)}')
+                write_noise_scale_row(os.path.join(output_dir, 'noise_scale.csv'), epoch, noise, global_batch)
 
             if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
                 utils.distribute_bn(task.get_trainable_module(), args.world_size, args.dist_bn == 'reduce')
@@ -277,6 +296,19 @@ def train(args, args_text: str) -> int:
                         reverse=decreasing)
         print(f'--result\n{json.dumps(ranked[-10:], indent=4)}')
     return 0
+
+
+def check_beyond_args(args) -> None:
+    """Flags of the OOM recovery and noise scale that cannot work with the rest of the command line."""
+    if args.oom_grow_back is not None and not args.oom_recover:
+        raise UsageError('--oom-grow-back only acts after --oom-recover has shrunk the micro-batch; add --oom-recover')
+    if args.oom_recover and args.aug_splits > 1:
+        raise UsageError('--oom-recover cannot split batches of --aug-splits (the loss ties the augmented copies of '
+                         'each sample together); drop one of them')
+    if args.log_noise_scale:
+        problem = noise_scale_problem(args.grad_accum_steps, args.world_size, loss_weighting(args))
+        if problem:
+            raise UsageError(problem)
 
 
 def loss_weighting(args) -> str:

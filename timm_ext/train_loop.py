@@ -9,13 +9,19 @@ and the scheduler's ``step_update`` happen once per window. Losses stay on the d
 
 Extension points: :meth:`TrainLoop.forward_backward` is one micro-batch (or any slice of one, weighted by its own
 samples), :meth:`TrainLoop.optimizer_update` sees a window's complete gradient before it is applied.
+
+Two options build on them. OOM recovery (``oom_recover``, `timm_ext.oom_recovery`): a window that runs out of memory
+is replayed with each loader batch cut into twice as many pieces, each weighted by its share of the batch, so the
+update is the same mean over the same samples. Noise scale (``log_noise_scale``, `timm_ext.noise_monitor`): each
+micro-batch's and the window's gradient norms feed a B_simple estimate, with no extra passes.
 """
 import logging
 import math
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -25,6 +31,12 @@ from timm.utils import accuracy, dispatch_clip_grad
 from .accum import accumulation_windows
 from .checkpoint import rng_state
 from .distributed import reduce_mean, reduce_sum
+from .memory import free_memory
+from .noise_monitor import NoiseScaleMonitor, NoiseScaleSummary
+from .oom_recovery import (
+    FAILED, OK, OOM, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory, agree_status,
+    allreduce_gradients, is_recoverable_oom,
+)
 
 _logger = logging.getLogger('train')
 
@@ -56,6 +68,9 @@ class LoopConfig:
         rank: This process's rank; only rank 0 writes log lines.
         naflex: Inputs are NaFlex dicts; under DDP each micro-batch is scaled by its share of the global batch.
         save_images_dir: Write the first input of each logged update here (--save-images), or None.
+        oom_recover: On out-of-memory, replay the window with each batch in twice as many pieces (--oom-recover).
+        oom_grow_back: After this many clean updates, try the larger micro-batch again (--oom-grow-back).
+        log_noise_scale: Estimate the gradient noise scale from the window's gradients (--log-noise-scale).
     """
     device: torch.device
     accum_steps: int = 1
@@ -73,6 +88,9 @@ class LoopConfig:
     rank: int = 0
     naflex: bool = False
     save_images_dir: Optional[str] = None
+    oom_recover: bool = False
+    oom_grow_back: Optional[int] = None
+    log_noise_scale: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -121,6 +139,17 @@ class TrainLoop:
         self.save_recovery = save_recovery
         self.second_order = getattr(optimizer, 'is_second_order', False)
         self.epoch_rng: Optional[Dict[str, Any]] = None  # RNG states when the current epoch's loader started
+        self.params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
+        self.splitter: Optional[MicroBatchSplitter] = None
+        if cfg.oom_recover:
+            self.splitter = MicroBatchSplitter(max(1, round(cfg.batch_size)), cfg.oom_grow_back)
+        # under DDP, recovery needs every backward local and one explicit all-reduce once all ranks are through
+        self.explicit_allreduce = cfg.oom_recover and cfg.distributed
+        self.noise: Optional[NoiseScaleMonitor] = None
+        if cfg.log_noise_scale:
+            ddp_module = task.get_trainable_module() if cfg.distributed and not self.explicit_allreduce else None
+            self.noise = NoiseScaleMonitor(self.params, cfg.world_size, ddp_module)
+        self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
@@ -171,6 +200,31 @@ class TrainLoop:
             scaled.backward(create_graph=self.second_order)
         return loss.detach()
 
+    def _protected_forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool) -> torch.Tensor:
+        """`forward_backward` that turns an OOM (on this rank, or under DDP on any) into `WindowOutOfMemory`."""
+        status, reason, error = OK, '', None
+        try:
+            loss = self.forward_backward(input, target, weight, sync)
+        except Exception as e:
+            if not is_recoverable_oom(e, self.cfg.device):
+                if not self.cfg.distributed:
+                    raise
+                status, error = FAILED, e
+            else:
+                status, reason = OOM, ' '.join(str(e).split())[:200] or type(e).__name__
+                traceback.clear_frames(e.__traceback__)  # its frames hold the failed attempt's activations
+        statuses = [status]
+        if self.cfg.distributed:
+            statuses = agree_status(status, self.cfg.rank, self.cfg.world_size, self.cfg.device)
+        if error is not None:
+            raise error
+        if FAILED in statuses:
+            raise RankFailed(f'rank {statuses.index(FAILED)} failed with an error (see its log); rank '
+                             f'{self.cfg.rank} stops too')
+        if OOM in statuses:
+            raise WindowOutOfMemory([r for r, s in enumerate(statuses) if s == OOM], reason)
+        return loss
+
     # ---- one window ---------------------------------------------------------------------------------------------
 
     def optimizer_update(self, grad_correction: float = 1.0) -> None:
@@ -198,6 +252,95 @@ class TrainLoop:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def train_window(self, batches: Iterator, window_len: int, where: str) -> Tuple[torch.Tensor, int, float, Any]:
+        """Forward and backward over the next ``window_len`` batches; their gradients add up in ``.grad``.
+
+        With OOM recovery the window's batches are kept until its update: a window that runs out of memory is
+        replayed from its first batch with every batch cut into twice as many pieces.
+
+        Returns:
+            (sum of loss x samples, samples, seconds spent waiting for data, the window's last input)
+        """
+        kept: List[Tuple[Any, torch.Tensor]] = []
+        data_time = [0.0]
+        while True:
+            try:
+                loss_sum, samples, input = self._window_pass(batches, window_len, kept, data_time)
+                return loss_sum, samples, data_time[0], input
+            except WindowOutOfMemory as e:
+                oom = e
+            self._recover(oom, where)
+
+    def _window_pass(self, batches: Iterator, window_len: int, kept: List, data_time: List[float],
+                     ) -> Tuple[torch.Tensor, int, Any]:
+        cfg = self.cfg
+        loss_sum = torch.zeros((), device=cfg.device)
+        samples = 0
+        for pos in range(window_len):
+            if pos < len(kept):
+                input, target = kept[pos]
+            else:
+                data_start = time.time()
+                input, target = self.prepare_batch(*next(batches))
+                data_time[0] += time.time() - data_start
+                if self.splitter is not None:
+                    kept.append((input, target))
+            num_samples = batch_len(input)
+            weight = self.loss_weight(num_samples, window_len)
+            pieces = [(input, target)] if self.splitter is None else self.splitter.split(input, target, num_samples)
+            for i, (piece, piece_target) in enumerate(pieces):
+                piece_samples = batch_len(piece)
+                piece_weight = weight if len(pieces) == 1 else weight * piece_samples / num_samples
+                sync = not self.explicit_allreduce and pos == window_len - 1 and i == len(pieces) - 1
+                if self.splitter is None:
+                    loss = self.forward_backward(piece, piece_target, piece_weight, sync)
+                else:
+                    loss = self._protected_forward_backward(piece, piece_target, piece_weight, sync)
+                if self.noise is not None:
+                    self.noise.after_backward(piece_samples, synced=sync and cfg.distributed)
+                loss_sum += loss * piece_samples
+            samples += num_samples
+        if self.explicit_allreduce:
+            if self.noise is not None:
+                self.noise.before_allreduce()
+            allreduce_gradients(self.params, cfg.world_size)
+        return loss_sum, samples, input
+
+    def _recover(self, oom: WindowOutOfMemory, where: str) -> None:
+        """Free what the failed window held and cut batches into twice as many pieces (or give up at 1 sample)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.noise is not None:
+            self.noise.reset_window()
+        free_memory(self.cfg.device)
+        on_ranks = f' on rank {", ".join(map(str, oom.ranks))}' if self.cfg.distributed else ''
+        try:
+            old, new = self.splitter.shrink()
+        except OomRecoveryError:
+            raise OomRecoveryError(
+                f'out of memory at {where}{on_ranks} even with a micro-batch of 1 sample: nothing smaller to try; '
+                f'checkpoints already written are intact. Free device memory or use a smaller model or input '
+                f'size{f" ({oom.reason})" if oom.reason else ""}') from None
+        splits = self.splitter.splits
+        prefix = f'rank {self.cfg.rank}: ' if self.cfg.distributed else ''
+        _logger.warning(
+            f'{prefix}OOM recovery at {where}: out of memory{on_ranks}; micro-batch {old} -> {new} '
+            f'({splits} pieces per loader batch, {splits * self.cfg.accum_steps} backward passes per update); '
+            f'the global batch, LR and schedule are unchanged; replaying the update.')
+        if self._has_batchnorm and self.cfg.rank == 0 and old == self.splitter.batch_size:
+            _logger.warning(f'The model has batch norm: its batch statistics now come from micro-batches of {new}, '
+                            f'so updates are close to, not exactly, those of the full micro-batch.')
+
+    def _after_clean_update(self, where: str) -> None:
+        grown = self.splitter.after_clean_update()
+        if grown is not None:
+            prefix = f'rank {self.cfg.rank}: ' if self.cfg.distributed else ''
+            _logger.info(f'{prefix}OOM recovery at {where}: {self.cfg.oom_grow_back} clean updates, trying the '
+                         f'larger micro-batch again: {grown[0]} -> {grown[1]}.')
+
+    def noise_scale_summary(self) -> Optional[NoiseScaleSummary]:
+        """The noise-scale estimate so far (a collective under DDP), or None when not estimating."""
+        return self.noise.summary(self.cfg.device) if self.noise is not None else None
 
     # ---- one epoch ----------------------------------------------------------------------------------------------
 
@@ -227,25 +370,21 @@ class TrainLoop:
         epoch_loss = torch.zeros((), device=cfg.device)  # sum of loss x samples
         epoch_samples = 0
         update_time = data_time = 0.0
-        update_start = data_start = time.time()
+        update_start = time.time()
         for update_idx in range(start_update, updates_per_epoch):
             window = windows[update_idx]
-            window_loss = torch.zeros((), device=cfg.device)
-            window_samples = 0
-            window_data_time = 0.0
-            for pos in range(len(window)):
-                input, target = self.prepare_batch(*next(batches))
-                window_data_time += time.time() - data_start
-                num_samples = batch_len(input)
-                weight = self.loss_weight(num_samples, len(window))
-                loss = self.forward_backward(input, target, weight, sync=pos == len(window) - 1)
-                window_loss += loss * num_samples
-                window_samples += num_samples
-                data_start = time.time()
+            where = f'epoch {epoch} update {update_idx}'
+            window_loss, window_samples, window_data_time, input = self.train_window(batches, len(window), where)
 
             nominal = len(window) * cfg.batch_size
             correction = nominal / window_samples if cfg.loss_weighting == 'samples' else 1.0
+            if self.noise is not None:
+                # .grad holds the window's true mean times the AMP scale, over the correction
+                scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
+                self.noise.end_window(window_samples, scale / correction)
             self.optimizer_update(correction)
+            if self.splitter is not None:
+                self._after_clean_update(where)
             num_updates += 1
             self.task.update_ema(step=num_updates)
             epoch_loss += window_loss
@@ -269,7 +408,6 @@ class TrainLoop:
                 self.save_recovery(epoch, update_idx)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step_update(num_updates=num_updates)
-            data_start = time.time()
 
         if hasattr(self.optimizer, 'sync_lookahead'):
             self.optimizer.sync_lookahead()
