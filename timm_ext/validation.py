@@ -25,7 +25,7 @@ from timm.utils import accuracy, random_seed, reparameterize_model, set_jit_fuse
 from .amp import AmpChoice, resolve_amp
 from .batch_decay import batch_descent, decay_batch_step
 from .hub import is_download_error, pretrained_unavailable
-from .memory import PeakMeter, free_memory, proc_status
+from .memory import PeakMeter, data_and_stack, free_memory
 from .metrics import precision_recall_f1
 from .oom import is_oom, should_retry
 from .probe import OOM, NothingFitsError, ProbeError, format_trial, measured_trial, select_batch_size
@@ -315,8 +315,8 @@ def _probe(em: EvalModel, sizes: List[int], prefetch_copies: int) -> int:
     forward of its batch, while sizes far above the boundary fail at their first large allocation, so trying the
     large sizes first spends least. Only OOMs step down; any other failure ends the probe as an error.
     """
-    # CPU peaks count from the resident set now (model and data already in), as a budget would
-    baseline = proc_status('VmRSS')['VmRSS'] if em.device.type == 'cpu' and sys.platform == 'linux' else 0
+    # CPU peaks count from the data segment now (model already in), the figure the peak meter samples
+    baseline = data_and_stack() if em.device.type == 'cpu' and sys.platform == 'linux' else 0
     run_trial = measured_trial(make_eval_step(em, prefetch_copies), em.device, PeakMeter(em.device, baseline),
                                capped=_cpu_capped(em.device))
     trials = []
