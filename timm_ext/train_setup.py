@@ -242,6 +242,20 @@ def mixup_kwargs(args: argparse.Namespace) -> Optional[dict]:
     )
 
 
+def _loader_common(args: argparse.Namespace, data_config: dict, device: torch.device,
+                   model_dtype: Optional[torch.dtype]) -> dict:
+    """Loader settings the train and eval loaders share: normalisation, dtype, device, prefetcher, sampler."""
+    return dict(
+        mean=data_config['mean'],
+        std=data_config['std'],
+        pin_memory=args.pin_mem,
+        img_dtype=model_dtype or torch.float32,
+        device=device,
+        distributed=args.distributed,
+        use_prefetcher=args.prefetcher,
+    )
+
+
 def build_train_loader(
         args: argparse.Namespace, dataset: Any, data_config: dict, device: torch.device,
         model_dtype: Optional[torch.dtype], model: nn.Module,
@@ -258,15 +272,7 @@ def build_train_loader(
     train_interpolation = args.train_interpolation
     if args.no_aug or not train_interpolation:
         train_interpolation = data_config['interpolation']
-    common = dict(
-        mean=data_config['mean'],
-        std=data_config['std'],
-        pin_memory=args.pin_mem,
-        img_dtype=model_dtype or torch.float32,
-        device=device,
-        distributed=args.distributed,
-        use_prefetcher=args.prefetcher,
-    )
+    common = _loader_common(args, data_config, device, model_dtype)
     train_kwargs = dict(
         batch_size=args.batch_size,
         is_training=True,
@@ -370,13 +376,7 @@ def build_eval_loader(
     if args.distributed and ('tfds' in args.dataset or 'wds' in args.dataset):
         workers = min(2, args.workers)  # fewer workers keep iterable-dataset padding across ranks small
     common = dict(
-        mean=data_config['mean'],
-        std=data_config['std'],
-        pin_memory=args.pin_mem,
-        img_dtype=model_dtype or torch.float32,
-        device=device,
-        distributed=args.distributed,
-        use_prefetcher=args.prefetcher,
+        **_loader_common(args, data_config, device, model_dtype),
         batch_size=args.validation_batch_size or args.batch_size,
         is_training=False,
         interpolation=data_config['interpolation'],
