@@ -2,21 +2,22 @@
 
 Two batch sizes come for free (`timm_ext.noise_scale`): on one process, each micro-batch against the accumulated
 window; under DDP, each rank's micro-batches and its local window gradient against the gradient averaged over all
-ranks (local window samples x world size). No extra forward or backward pass: per micro-batch one gradient-sized
-copy and a norm, per window a norm or two.
+ranks (local window samples x world size). No extra forward or backward pass, and no copy of the gradients: a hook
+on each parameter takes the squared norm of the gradient a micro-batch adds as backward produces it (one read of
+memory that is being written anyway), and each window adds a norm of the accumulated gradient or two.
 """
 import csv
 import io
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
 from .checkpoint import atomic_text
 from .distributed import reduce_mean
-from .noise_scale import AccumGradNorms, LocalGradNormHook, NoiseScaleEstimator, _grads, _sq_norm
+from .noise_scale import LocalGradNormHook, NoiseScaleEstimator, _grads, _sq_norm
 
 __all__ = ['NoiseScaleMonitor', 'NoiseScaleSummary', 'write_noise_scale_row', 'noise_scale_problem', 'CSV_FIELDS']
 
@@ -54,12 +55,12 @@ class NoiseScaleSummary:
 class NoiseScaleMonitor:
     """Feeds a `NoiseScaleEstimator` from a training window's gradients.
 
-    The loop calls `after_backward` after each backward, `before_allreduce` before it averages gradients itself
-    (DDP with OOM recovery), `end_window` before the optimizer touches the gradients, `reset_window` when it throws
-    a window's gradients away.
+    The loop calls `before_backward` / `after_backward` around each micro-batch's backward (with the weight its mean
+    loss had), `before_allreduce` before it averages gradients itself (DDP with OOM recovery), `end_window` before the
+    optimizer touches the gradients, and `reset_window` when it throws a window's gradients away.
 
     Args:
-        params: The trainable parameters.
+        params: The trainable parameters (hooks are registered on them until `close`).
         world_size: Number of ranks.
         ddp_module: The DDP wrapper when DDP's own all-reduce runs (a comm hook then notes the local gradient).
         ema_decay: EMA decay per batch pair.
@@ -70,48 +71,68 @@ class NoiseScaleMonitor:
         self.params = [p for p in params if p.requires_grad]
         self.world_size = world_size
         self.estimator = NoiseScaleEstimator(ema_decay)
-        self._micro = AccumGradNorms(self.params)
-        self._hook: Optional[LocalGradNormHook] = None
-        if world_size > 1 and ddp_module is not None:
-            self._hook = LocalGradNormHook(self.params)
-            self._hook.register(ddp_module)
+        self._parts: List[torch.Tensor] = []  # norms of the current backward's parameter gradients
+        self._micro: List[Tuple[torch.Tensor, int, float]] = []  # (squared norm, samples, loss weight)
         self._local_sq: Optional[torch.Tensor] = None
-        self._pieces = 0
+        self._handles = [p.register_hook(self._note_grad) for p in self.params]
+        self._ddp_hook: Optional[LocalGradNormHook] = None
+        if world_size > 1 and ddp_module is not None:
+            self._ddp_hook = LocalGradNormHook(self.params)
+            self._ddp_hook.register(ddp_module)
 
-    def after_backward(self, num_samples: int, synced: bool) -> None:
-        """Note a micro-batch's gradient; a synchronising backward's own change is lost in the average."""
-        self._pieces += 1
-        if not synced:
-            self._micro.after_micro_batch(num_samples)
+    def _note_grad(self, grad: torch.Tensor) -> None:
+        # the gradient this backward adds for one parameter, before it is accumulated (and before DDP averages it)
+        self._parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+
+    def before_backward(self) -> None:
+        self._parts = []  # drop anything another backward (e.g. inside an optimizer step) left
+
+    def after_backward(self, num_samples: int, weight: float) -> None:
+        """Record the micro-batch just back-propagated: ``num_samples`` samples, mean loss scaled by ``weight``."""
+        if self._parts:
+            self._micro.append((torch.stack(self._parts).square().sum(), num_samples, weight))
+        self._parts = []
 
     def before_allreduce(self) -> None:
         """Note this rank's window gradient before the loop averages it over ranks."""
         self._local_sq = _sq_norm(_grads(self.params))
 
     def reset_window(self) -> None:
-        self._micro.reset()
-        self._local_sq, self._pieces = None, 0
+        self._parts, self._micro, self._local_sq = [], [], None
 
-    def end_window(self, window_samples: int, grad_scale: float = 1.0) -> None:
-        """Pair this window's gradients. ``grad_scale``: what `.grad` carries on top of the true mean."""
-        pieces, self._pieces = self._pieces, 0
-        if self.world_size == 1:
-            self._micro.end_window(self.estimator, grad_scale)
-            return
-        big_samples = window_samples * self.world_size
-        if self._hook is not None:
-            self._micro.end_window(self.estimator, grad_scale, window_samples, big_samples)
-            self._hook.end_window(self.estimator, window_samples, grad_scale)
-            return
-        if pieces > 1:  # one piece: its gradient is the local window's, paired below
-            self._micro.end_window(self.estimator, grad_scale, window_samples, big_samples)
-        else:
-            self._micro.reset()
+    def end_window(self, window_samples: int, amp_scale: float = 1.0, correction: float = 1.0,
+                   check_finite: bool = False) -> None:
+        """Pair this window's gradients and feed the estimator.
+
+        Args:
+            window_samples: Samples this rank trained in the window.
+            amp_scale: The AMP loss scale every gradient carries (1.0 without a GradScaler).
+            correction: What the optimizer update multiplies `.grad` by to make it the window's mean.
+            check_finite: Skip the window when the gradients overflowed (float16 AMP; reads one value on the host).
+        """
+        micro, self._micro = self._micro, []
         local_sq, self._local_sq = self._local_sq, None
-        if local_sq is not None:
-            scale_sq = float(grad_scale) ** 2
-            big_sq = _sq_norm(_grads(self.params)) / scale_sq
-            self.estimator.update(local_sq / scale_sq, window_samples, big_sq, big_samples)
+        window_scale_sq = (float(amp_scale) / correction) ** 2
+        big_sq = _sq_norm(_grads(self.params)) / window_scale_sq
+        big_samples = window_samples * self.world_size
+        if check_finite and not torch.isfinite(big_sq).item():
+            if self._ddp_hook is not None:
+                self._ddp_hook.end_window(NoiseScaleEstimator(), window_samples)  # consume its note, discard it
+            return
+        if len(micro) > 1:  # one micro-batch: its gradient is the window's, paired below under DDP
+            amp_sq = float(amp_scale) ** 2
+            for sq, samples, weight in micro:
+                self.estimator.update(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
+        if self._ddp_hook is not None:
+            self._ddp_hook.end_window(self.estimator, window_samples, float(amp_scale) / correction)
+        elif local_sq is not None:
+            self.estimator.update(local_sq / window_scale_sq, window_samples, big_sq, big_samples)
+
+    def close(self) -> None:
+        """Remove the parameter hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def summary(self, device: torch.device) -> NoiseScaleSummary:
         """The current estimate, averaged over ranks under DDP (a collective: every rank calls it)."""

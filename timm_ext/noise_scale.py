@@ -107,32 +107,22 @@ class AccumGradNorms:
             self._micro.append((_sq_norm(torch._foreach_sub(grads, self._snapshot)), num_samples))
             torch._foreach_copy_(self._snapshot, grads)
 
-    def end_window(self, estimator: NoiseScaleEstimator, grad_scale: float = 1.0, window_samples: Optional[int] = None,
-                   big_samples: Optional[int] = None) -> None:
+    def end_window(self, estimator: NoiseScaleEstimator, grad_scale: float = 1.0) -> None:
         """Feed the window's (micro-batch, window) pairs to `estimator` and start a new window.
 
         Args:
             estimator: Where the estimates go.
-            grad_scale: The factor the gradients carry on top of the true mean (the AMP loss scale; 1.0 without).
-            window_samples: Samples the window's loss weights were computed over, when some micro-batches were
-                not recorded (under DDP, the synchronising one); default: the recorded ones.
-            big_samples: Samples behind `.grad` when it is more than this window (DDP: window x world size).
+            grad_scale: The AMP loss scale the gradients carry (1.0 without a GradScaler).
         """
         micro, self._micro, self._snapshot = self._micro, [], None
-        window_samples = window_samples or sum(n for _, n in micro)
-        big_samples = big_samples or window_samples
-        micro = [(sq, n) for sq, n in micro if n < big_samples]
-        if not micro:
+        window_samples = sum(n for _, n in micro)
+        if len(micro) < 2:
             return  # a window of one micro-batch has only one batch size
         scale_sq = float(grad_scale) ** 2
         big_sq = _sq_norm(_grads(self.params)) / scale_sq
         for delta_sq, samples in micro:
             weight = samples / window_samples
-            estimator.update(delta_sq / scale_sq / weight ** 2, samples, big_sq, big_samples)
-
-    def reset(self) -> None:
-        """Forget the current window's micro-batches (its gradients were thrown away)."""
-        self._micro, self._snapshot = [], None
+            estimator.update(delta_sq / scale_sq / weight ** 2, samples, big_sq, window_samples)
 
 
 class LocalGradNormHook:

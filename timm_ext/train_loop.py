@@ -293,12 +293,14 @@ class TrainLoop:
                 piece_samples = batch_len(piece)
                 piece_weight = weight if len(pieces) == 1 else weight * piece_samples / num_samples
                 sync = not self.explicit_allreduce and pos == window_len - 1 and i == len(pieces) - 1
+                if self.noise is not None:
+                    self.noise.before_backward()
                 if self.splitter is None:
                     loss = self.forward_backward(piece, piece_target, piece_weight, sync)
                 else:
                     loss = self._protected_forward_backward(piece, piece_target, piece_weight, sync)
                 if self.noise is not None:
-                    self.noise.after_backward(piece_samples, synced=sync and cfg.distributed)
+                    self.noise.after_backward(piece_samples, piece_weight)
                 loss_sum += loss * piece_samples
             samples += num_samples
         if self.explicit_allreduce:
@@ -379,9 +381,8 @@ class TrainLoop:
             nominal = len(window) * cfg.batch_size
             correction = nominal / window_samples if cfg.loss_weighting == 'samples' else 1.0
             if self.noise is not None:
-                # .grad holds the window's true mean times the AMP scale, over the correction
-                scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
-                self.noise.end_window(window_samples, scale / correction)
+                amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
+                self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
             self.optimizer_update(correction)
             if self.splitter is not None:
                 self._after_clean_update(where)
