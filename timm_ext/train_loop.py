@@ -150,6 +150,7 @@ class TrainLoop:
             ddp_module = task.get_trainable_module() if cfg.distributed and not self.explicit_allreduce else None
             self.noise = NoiseScaleMonitor(self.params, cfg.world_size, ddp_module)
         self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
+        self.window_replays = 0  # times the last window was replayed after an OOM
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
@@ -264,6 +265,7 @@ class TrainLoop:
         """
         kept: List[Tuple[Any, torch.Tensor]] = []
         data_time = [0.0]
+        self.window_replays = 0
         while True:
             try:
                 loss_sum, samples, input = self._window_pass(batches, window_len, kept, data_time)
@@ -271,6 +273,7 @@ class TrainLoop:
             except WindowOutOfMemory as e:
                 oom = e
             self._recover(oom, where)
+            self.window_replays += 1
 
     def _window_pass(self, batches: Iterator, window_len: int, kept: List, data_time: List[float],
                      ) -> Tuple[torch.Tensor, int, Any]:
@@ -384,7 +387,7 @@ class TrainLoop:
                 amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
                 self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
             self.optimizer_update(correction)
-            if self.splitter is not None:
+            if self.splitter is not None and not self.window_replays:
                 self._after_clean_update(where)
             num_updates += 1
             self.task.update_ema(step=num_updates)
