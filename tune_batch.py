@@ -9,7 +9,8 @@ largest micro-batch under the memory budget with real training steps (`timm_ext.
 for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML config that train.py (ours or stock)
 reads with `-c`, print a report and the train command, then run it unless `--dry-run`. With `--nproc N` the probe
 runs on N ranks under torchrun (each rank probes; they agree on the smallest) and training is launched through
-distributed_train.sh.
+distributed_train.sh. With `--select critical` a short warm-up of the run at the probed micro-batch estimates the
+gradient noise scale, and the global batch nearest to it is planned instead (`timm_ext.critical_batch`).
 """
 import argparse
 import copy
@@ -24,8 +25,10 @@ from timm import utils
 from timm.models import safe_model_name
 
 from timm_ext.checkpoint import atomic_text
+from timm_ext.critical_batch import DEFAULT_WARMUP_UPDATES, measure_noise_scale, plan_critical
 from timm_ext.distributed import DeviceError, init_device
 from timm_ext.memory import BudgetError, device_name, format_bytes, parse_budget, physical_memory
+from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.probe import (
     SELECT_MODES, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, format_table, format_trial, select_batch_size,
     trials_to_json,
@@ -53,9 +56,12 @@ def build_tune_parser() -> argparse.ArgumentParser:
                             "on CPU, memory above what the process holds when probing starts (default: all)")
     group.add_argument('--mem-headroom', type=float, default=0.1, metavar='FRAC',
                        help='fraction of the budget the chosen batch leaves free, judged on measured peak memory')
-    group.add_argument('--select', default='max', choices=SELECT_MODES,
+    group.add_argument('--select', default='max', choices=SELECT_MODES + ('critical',),
                        help='max: largest batch that fits; throughput: smallest batch within --throughput-tol of '
-                            'the best samples/s measured')
+                            'the best samples/s measured; critical: a short warm-up at the largest micro-batch '
+                            'estimates the gradient noise scale B_simple, and the global batch nearest it is planned')
+    group.add_argument('--critical-updates', type=int, default=DEFAULT_WARMUP_UPDATES, metavar='N',
+                       help='warm-up updates that estimate B_simple (--select critical)')
     group.add_argument('--throughput-tol', type=float, default=0.05, metavar='FRAC',
                        help='how far below the best samples/s still counts as best (--select throughput)')
     group.add_argument('--batch-multiple', type=int, default=None, metavar='N',
@@ -87,12 +93,14 @@ def _group_dests(parser: argparse.ArgumentParser, title: str) -> List[str]:
 def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for dest, flag in (('batch_multiple', '--batch-multiple'), ('max_batch', '--max-batch'),
                        ('probe_start', '--probe-start'), ('target_global_batch', '--target-global-batch'),
-                       ('nproc', '--nproc')):
+                       ('nproc', '--nproc'), ('critical_updates', '--critical-updates')):
         value = getattr(args, dest)
         if value is not None and value < 1:
             parser.error(f'argument {flag}: must be a positive integer, got {value}')
     if not 0 <= args.mem_headroom < 1:
         parser.error(f'argument --mem-headroom: must be a fraction in [0, 1), got {args.mem_headroom}')
+    if args.select == 'critical' and args.target_global_batch:
+        parser.error('argument --select critical: it chooses the global batch itself; drop --target-global-batch')
     if not 0 <= args.throughput_tol < 1:
         parser.error(f'argument --throughput-tol: must be a fraction in [0, 1), got {args.throughput_tol}')
     try:
@@ -115,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, BudgetError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 2
-    except (SetupError, DeviceError, ProbeError) as e:
+    except (SetupError, DeviceError, ProbeError, OomRecoveryError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -156,6 +164,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     budget = parse_budget(args.mem_budget or '1.0')
     grid = MultipleGrid(args.batch_multiple) if args.batch_multiple else DecayGrid()
     config_path = args.tuned_config or default_config_path(args)
+    probe_select = 'max' if args.select == 'critical' else args.select  # critical starts from the memory maximum
     trials_path = os.path.splitext(config_path)[0] + '.trials.json'
 
     setup = build_train_trial(args, device)
@@ -183,7 +192,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if primary:
             print(f'Probe: cached result for this request ({cache.path(key)}); no trials run.')
         try:
-            selection = select_batch_size(cached, args.select, args.throughput_tol, context)
+            selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
         except NothingFitsError as e:
             raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
         outcome = ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
@@ -201,7 +210,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 atomic_text(trials_to_json(table, request=key, complete=False), trials_path)
 
         try:
-            outcome = probe_train_batch(setup, budget, args.mem_headroom, args.select, args.throughput_tol,
+            outcome = probe_train_batch(setup, budget, args.mem_headroom, probe_select, args.throughput_tol,
                                         args.probe_start, max_batch, grid, TIMED_STEPS, on_trial)
         except NothingFitsError as e:
             raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
@@ -212,13 +221,20 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(f'Probe: {len(outcome.trials)} trials; cached in {cache_file}; table in {trials_path}.')
 
     plan = plan_run(args, outcome.selection.batch_size, world_size, args.target_global_batch)
+    critical_lines = []
+    if args.select == 'critical':
+        if primary:
+            print(f'Critical batch: {args.critical_updates} warm-up updates at micro-batch '
+                  f'{outcome.selection.batch_size} x accumulation 4 to estimate B_simple.', flush=True)
+        estimate = measure_noise_scale(args, device, outcome.selection.batch_size, args.critical_updates)
+        plan, critical_lines = plan_critical(args, estimate, outcome.selection.batch_size, world_size)
     train_dests = [d for d in parser_dests(parser) if d not in _group_dests(parser, TUNE_GROUP)]
     extension_dests = _group_dests(parser, EXTENSIONS_GROUP)
     stock_dests = [d for d in train_dests if d not in extension_dests]
     values = config_values(train_args, parser, stock_dests, plan)
     extras = extension_flags(train_args, parser, extension_dests)
     command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras)
-    report = report_lines(outcome, plan, args, budget_bytes, extras)
+    report = report_lines(outcome, plan, args, budget_bytes, extras) + critical_lines
     if primary:
         print('\n'.join(['', 'Trials:', format_table(outcome.trials, budget_bytes), ''] + report))
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)

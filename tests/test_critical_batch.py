@@ -1,9 +1,13 @@
 """--select critical: the warm-up's B_simple on a real tiny run, and the plan built from it (global batch, LR, why)."""
+import importlib
 import math
+import re
 
 import pytest
 import torch
+import yaml
 
+from conftest import REPO_ROOT, run_script
 from timm_ext.critical_batch import WARMUP_ACCUM, CriticalEstimate, measure_noise_scale, plan_critical
 from timm_ext.distributed import init_device
 from timm_ext.noise_monitor import NoiseScaleSummary
@@ -69,3 +73,34 @@ def test_warm_up_on_a_real_run_gives_a_finite_positive_estimate(tmp_path):
     assert got.lr == args.warmup_lr  # the run warms up for 5 epochs (stock default): its first updates use 1e-5
     plan, lines = plan_critical(args, got, max_micro_batch=4, world_size=1)
     assert plan.global_batch >= 1 and f'B_simple ≈ {got.summary.b_simple:.0f}' in lines[0]
+
+
+# ---- tune_batch.py --select critical --------------------------------------------------------------------------------
+
+def test_tune_batch_select_critical_plans_the_estimated_global_batch(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=32)
+    config = tmp_path / 'tuned.yaml'
+    result = run_script('tune_batch.py', '--data-dir', data, *RUN, '--max-batch', '8', '--select', 'critical',
+                        '--critical-updates', '12', '--dry-run', '--tuned-config', config,
+                        env={'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    found = re.search(r'Critical batch: B_simple ≈ (\d+) samples .* 12 warm-up updates of 8 x 4', out)
+    assert found, out[-3000:]
+    proposed = re.search(r'Proposed global batch (\d+) = (\d+) x 1 x (\d+)', out)
+    global_batch, micro, accum = map(int, proposed.groups())
+    assert micro <= 8 and global_batch == micro * accum and abs(global_batch - int(found.group(1))) <= 4
+    assert 'the largest batch one step fits (8 per rank x 1)' in out
+    values = yaml.safe_load(config.read_text())
+    assert (values['batch_size'], values['grad_accum_steps']) == (micro, accum)
+    assert not (tmp_path / 'output' / 'train').exists(), '--dry-run must not train'
+
+
+def test_select_critical_with_a_target_global_batch_is_an_argument_error(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    tune_batch = importlib.import_module('tune_batch')
+    with pytest.raises(SystemExit) as exit_info:
+        tune_batch.main([*RUN, '--select', 'critical', '--target-global-batch', '64'])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err and 'drop --target-global-batch' in err.strip().splitlines()[-1]
