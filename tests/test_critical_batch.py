@@ -80,17 +80,17 @@ def test_warm_up_on_a_real_run_gives_a_finite_positive_estimate(tmp_path):
 def test_tune_batch_select_critical_plans_the_estimated_global_batch(tmp_path):
     data = make_image_folder(tmp_path / 'data', per_class=32)
     config = tmp_path / 'tuned.yaml'
-    result = run_script('tune_batch.py', '--data-dir', data, *RUN, '--max-batch', '8', '--select', 'critical',
+    result = run_script('tune_batch.py', '--data-dir', data, *RUN, '--max-batch', '4', '--select', 'critical',
                         '--critical-updates', '12', '--dry-run', '--tuned-config', config,
                         env={'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    found = re.search(r'Critical batch: B_simple ≈ (\d+) samples .* 12 warm-up updates of 8 x 4', out)
+    found = re.search(r'Critical batch: B_simple ≈ (\d+) samples .* 12 warm-up updates of 4 x 4', out)
     assert found, out[-3000:]
     proposed = re.search(r'Proposed global batch (\d+) = (\d+) x 1 x (\d+)', out)
     global_batch, micro, accum = map(int, proposed.groups())
-    assert micro <= 8 and global_batch == micro * accum and abs(global_batch - int(found.group(1))) <= 4
-    assert 'the largest batch one step fits (8 per rank x 1)' in out
+    assert micro <= 4 and global_batch == micro * accum and abs(global_batch - int(found.group(1))) <= 2
+    assert 'the largest batch one step fits (4 per rank x 1)' in out
     values = yaml.safe_load(config.read_text())
     assert (values['batch_size'], values['grad_accum_steps']) == (micro, accum)
     assert not (tmp_path / 'output' / 'train').exists(), '--dry-run must not train'
