@@ -2,7 +2,7 @@
 
 Linear regression on Gaussian data at fixed weights (SGD with lr 0), see tests/test_noise_scale_train.py. Each rank
 draws its own samples; a window is 2 micro-batches of 8 per rank. Two modes, one after the other: DDP's own
-all-reduce (a comm hook notes the local gradient) and OOM recovery's explicit all-reduce. Rank 0 writes
+all-reduce in the window's last backward, and OOM recovery's explicit all-reduce after it. Rank 0 writes
 {mode: [grad_sq, trace_sigma, b_simple, pairs]} as JSON to the path given as the first argument.
 """
 import json
@@ -33,7 +33,7 @@ def main(report_path: str) -> None:
     delta = torch.randn(DIM)
     delta = delta / delta.norm()
     report = {}
-    for mode in ('ddp_hook', 'explicit_allreduce'):
+    for mode in ('ddp_sync', 'explicit_allreduce'):
         model = nn.Linear(DIM, 1, bias=False)
         with torch.no_grad():
             model.weight.copy_((w_true + delta)[None])

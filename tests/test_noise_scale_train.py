@@ -80,8 +80,8 @@ def test_ddp_estimate_within_20_percent_of_closed_form(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(report.read_text())
     # per window and rank, both micro-batches (parameter hooks see local gradients, also in DDP's synchronising
-    # backward) and the local window (a comm hook, or read before the explicit all-reduce) against the global one
-    assert got['ddp_hook'][3] == got['explicit_allreduce'][3] == 2 * 400 * 3
+    # backward) against the global gradient
+    assert got['ddp_sync'][3] == got['explicit_allreduce'][3] == 2 * 400 * 2
     for mode, (grad_sq, trace_sigma, b_simple, _) in got.items():
         assert grad_sq == pytest.approx(1.0, rel=0.2), mode
         assert trace_sigma == pytest.approx(TRUE_B_SIMPLE, rel=0.2), mode

@@ -296,9 +296,9 @@ def test_two_ranks_split_together_when_one_runs_out(capped_single, vit_data, tmp
     assert len(changes) % 2 == 0  # every adjustment on both ranks
     # each update is the mean over the same 96 images: 24 x 4 on one process, (2 pieces of 24) x 2 ranks here
     assert_same_weights(weights(tmp_path / 'cap' / 'last.pth.tar'), weights(reference_dir / 'last.pth.tar'))
-    # the noise scale rides along: on each rank, 2 pieces and the local window against the global gradient
+    # the noise scale rides along: on each rank, the 2 pieces against the global gradient
     with open(tmp_path / 'cap' / 'noise_scale.csv', newline='') as f:
-        assert [int(r['pairs']) for r in csv.DictReader(f)] == [2 * 3]
+        assert [int(r['pairs']) for r in csv.DictReader(f)] == [2 * 2]
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The gradient noise scale during training (``--log-noise-scale``): which gradients to pair, summaries, the CSV.
 
-Two batch sizes come for free (`timm_ext.noise_scale`): on one process, each micro-batch against the accumulated
-window; under DDP, each rank's micro-batches and its local window gradient against the gradient averaged over all
-ranks (local window samples x world size). No extra forward or backward pass, and no copy of the gradients: a hook
-on each parameter takes the squared norm of the gradient a micro-batch adds as backward produces it (one read of
-memory that is being written anyway), and each window adds a norm of the accumulated gradient or two.
+Two batch sizes come for free (`timm_ext.noise_scale` has the estimator): on one process, each micro-batch against
+the accumulated window; under DDP, each rank's micro-batches (its local gradients, before any all-reduce) against the
+gradient averaged over all ranks (window samples x world size). No extra forward or backward pass, and no copy of
+the gradients: a hook on each parameter takes the norm of the gradient a micro-batch adds as backward produces it
+(one read of memory that is being written anyway), and each window adds one norm of the accumulated gradient.
 """
 import csv
 import io
@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint import atomic_text
 from .distributed import reduce_mean
-from .noise_scale import LocalGradNormHook, NoiseScaleEstimator, _grads, _sq_norm
+from .noise_scale import NoiseScaleEstimator, _grads, _sq_norm
 
 __all__ = ['NoiseScaleMonitor', 'NoiseScaleSummary', 'write_noise_scale_row', 'noise_scale_problem', 'CSV_FIELDS']
 
@@ -56,29 +56,22 @@ class NoiseScaleMonitor:
     """Feeds a `NoiseScaleEstimator` from a training window's gradients.
 
     The loop calls `before_backward` / `after_backward` around each micro-batch's backward (with the weight its mean
-    loss had), `before_allreduce` before it averages gradients itself (DDP with OOM recovery), `end_window` before the
-    optimizer touches the gradients, and `reset_window` when it throws a window's gradients away.
+    loss had), `end_window` before the optimizer touches the gradients (after any all-reduce), and `reset_window`
+    when it throws a window's gradients away.
 
     Args:
         params: The trainable parameters (hooks are registered on them until `close`).
         world_size: Number of ranks.
-        ddp_module: The DDP wrapper when DDP's own all-reduce runs (a comm hook then notes the local gradient).
         ema_decay: EMA decay per batch pair.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int = 1,
-                 ddp_module: Optional[torch.nn.Module] = None, ema_decay: float = 0.99):
+    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int = 1, ema_decay: float = 0.99):
         self.params = [p for p in params if p.requires_grad]
         self.world_size = world_size
         self.estimator = NoiseScaleEstimator(ema_decay)
         self._parts: List[torch.Tensor] = []  # norms of the current backward's parameter gradients
         self._micro: List[Tuple[torch.Tensor, int, float]] = []  # (squared norm, samples, loss weight)
-        self._local_sq: Optional[torch.Tensor] = None
         self._handles = [p.register_hook(self._note_grad) for p in self.params]
-        self._ddp_hook: Optional[LocalGradNormHook] = None
-        if world_size > 1 and ddp_module is not None:
-            self._ddp_hook = LocalGradNormHook(self.params)
-            self._ddp_hook.register(ddp_module)
 
     def _note_grad(self, grad: torch.Tensor) -> None:
         # the gradient this backward adds for one parameter, before it is accumulated (and before DDP averages it)
@@ -93,40 +86,28 @@ class NoiseScaleMonitor:
             self._micro.append((torch.stack(self._parts).square().sum(), num_samples, weight))
         self._parts = []
 
-    def before_allreduce(self) -> None:
-        """Note this rank's window gradient before the loop averages it over ranks."""
-        self._local_sq = _sq_norm(_grads(self.params))
-
     def reset_window(self) -> None:
-        self._parts, self._micro, self._local_sq = [], [], None
+        self._parts, self._micro = [], []
 
     def end_window(self, window_samples: int, amp_scale: float = 1.0, correction: float = 1.0,
                    check_finite: bool = False) -> None:
         """Pair this window's gradients and feed the estimator.
 
         Args:
-            window_samples: Samples this rank trained in the window.
+            window_samples: Samples this rank trained in the window (every rank the same).
             amp_scale: The AMP loss scale every gradient carries (1.0 without a GradScaler).
             correction: What the optimizer update multiplies `.grad` by to make it the window's mean.
             check_finite: Skip the window when the gradients overflowed (float16 AMP; reads one value on the host).
         """
         micro, self._micro = self._micro, []
-        local_sq, self._local_sq = self._local_sq, None
-        window_scale_sq = (float(amp_scale) / correction) ** 2
-        big_sq = _sq_norm(_grads(self.params)) / window_scale_sq
-        big_samples = window_samples * self.world_size
+        if not micro or (self.world_size == 1 and len(micro) == 1):
+            return  # one process, one micro-batch: the window is the micro-batch, one batch size only
+        big_sq = _sq_norm(_grads(self.params)) / (float(amp_scale) / correction) ** 2
         if check_finite and not torch.isfinite(big_sq).item():
-            if self._ddp_hook is not None:
-                self._ddp_hook.end_window(NoiseScaleEstimator(), window_samples)  # consume its note, discard it
             return
-        if len(micro) > 1:  # one micro-batch: its gradient is the window's, paired below under DDP
-            amp_sq = float(amp_scale) ** 2
-            for sq, samples, weight in micro:
-                self.estimator.update(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
-        if self._ddp_hook is not None:
-            self._ddp_hook.end_window(self.estimator, window_samples, float(amp_scale) / correction)
-        elif local_sq is not None:
-            self.estimator.update(local_sq / window_scale_sq, window_samples, big_sq, big_samples)
+        amp_sq = float(amp_scale) ** 2
+        for sq, samples, weight in micro:
+            self.estimator.update(sq / (amp_sq * weight * weight), samples, big_sq, window_samples * self.world_size)
 
     def close(self) -> None:
         """Remove the parameter hooks."""

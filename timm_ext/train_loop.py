@@ -145,10 +145,7 @@ class TrainLoop:
             self.splitter = MicroBatchSplitter(max(1, round(cfg.batch_size)), cfg.oom_grow_back)
         # under DDP, recovery needs every backward local and one explicit all-reduce once all ranks are through
         self.explicit_allreduce = cfg.oom_recover and cfg.distributed
-        self.noise: Optional[NoiseScaleMonitor] = None
-        if cfg.log_noise_scale:
-            ddp_module = task.get_trainable_module() if cfg.distributed and not self.explicit_allreduce else None
-            self.noise = NoiseScaleMonitor(self.params, cfg.world_size, ddp_module)
+        self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
         self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
         self.window_replays = 0  # times the last window was replayed after an OOM
 
@@ -307,8 +304,6 @@ class TrainLoop:
                 loss_sum += loss * piece_samples
             samples += num_samples
         if self.explicit_allreduce:
-            if self.noise is not None:
-                self.noise.before_allreduce()
             allreduce_gradients(self.params, cfg.world_size)
         return loss_sum, samples, input
 
