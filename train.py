@@ -84,7 +84,7 @@ def train(args, args_text: str) -> int:
 
     device = init_device(args)
     primary = utils.is_primary(args)
-    check_beyond_args(args)
+    check_extension_args(args)
     if args.distributed:
         _logger.info(f'Distributed training: process {args.rank} of {args.world_size}, device {args.device}.')
     else:
@@ -298,7 +298,7 @@ def train(args, args_text: str) -> int:
     return 0
 
 
-def check_beyond_args(args) -> None:
+def check_extension_args(args) -> None:
     """Flags of the OOM recovery and noise scale that cannot work with the rest of the command line."""
     if args.oom_grow_back is not None and not args.oom_recover:
         raise UsageError('--oom-grow-back only acts after --oom-recover has shrunk the micro-batch; add --oom-recover')
