@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint import atomic_text
 from .distributed import reduce_mean
-from .noise_scale import NoiseScaleEstimator, _grads, _sq_norm
+from .noise_scale import NoiseScaleEstimator, grads_of, squared_norm
 
 __all__ = ['NoiseScaleMonitor', 'NoiseScaleSummary', 'write_noise_scale_row', 'noise_scale_problem', 'CSV_FIELDS']
 
@@ -102,7 +102,7 @@ class NoiseScaleMonitor:
         micro, self._micro = self._micro, []
         if not micro or (self.world_size == 1 and len(micro) == 1):
             return  # one process, one micro-batch: the window is the micro-batch, one batch size only
-        big_sq = _sq_norm(_grads(self.params)) / (float(amp_scale) / correction) ** 2
+        big_sq = squared_norm(grads_of(self.params)) / (float(amp_scale) / correction) ** 2
         if check_finite and not torch.isfinite(big_sq).item():
             return
         amp_sq = float(amp_scale) ** 2
