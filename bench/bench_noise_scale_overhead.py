@@ -12,7 +12,6 @@ next to it.
     python bench/bench_noise_scale_overhead.py --model test_vit --img-size 32 -b 16
     python bench/bench_noise_scale_overhead.py --device cuda --model resnet50 --img-size 224 -b 64
 """
-import argparse
 import json
 import logging
 import statistics
@@ -29,32 +28,21 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
+from common import loop_bench_parser, sync, synthetic_batches  # noqa: E402  (bench/common.py)
+
 ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'oom_recover': True}}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == 'cuda':
-        torch.cuda.synchronize()
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', default='resnet18')
-    parser.add_argument('-b', '--batch-size', type=int, default=32)
-    parser.add_argument('--img-size', type=int, default=64)
-    parser.add_argument('--batches', type=int, default=16, help='micro-batches per timed epoch')
-    parser.add_argument('--accum', type=int, default=4, help='gradient accumulation steps (the noise scale needs 2+)')
-    parser.add_argument('--repeats', type=int, default=11, help='timed epochs per arm (after one warm-up each)')
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--threads', type=int, default=1, help='torch intra-op threads on CPU')
-    parser.add_argument('--output', default=str(REPO / 'bench' / 'results' / 'noise_scale_overhead.json'))
+    parser = loop_bench_parser(__doc__.split('\n\n')[0], batches=16, accum=4, repeats=11,
+                               output=str(REPO / 'bench' / 'results' / 'noise_scale_overhead.json'))
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)  # the loop's log lines are not part of the measurement
     device = torch.device(args.device)
-    batches = [(torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device),
-                torch.randint(0, 10, (args.batch_size,), device=device)) for _ in range(args.batches)]
+    batches = synthetic_batches(args, device)
 
     def make_loop(flags) -> TrainLoop:
         torch.manual_seed(0)  # the same weights in every arm; a model each, as the noise scale hooks its parameters

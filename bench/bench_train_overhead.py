@@ -11,7 +11,6 @@ drift of the machine hits both; the median of the back-to-back pair ratios is re
     python bench/bench_train_overhead.py --accum 4 --repeats 9
     python bench/bench_train_overhead.py --device cuda --model resnet50 --img-size 224 -b 64
 """
-import argparse
 import json
 import logging
 import statistics
@@ -28,6 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
+from common import loop_bench_parser, sync, synthetic_batches  # noqa: E402  (bench/common.py)
+
 
 def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
     """The bare loop: mean loss over each window of `accum` micro-batches, one step per window."""
@@ -40,22 +41,10 @@ def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
         optimizer.step()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == 'cuda':
-        torch.cuda.synchronize()
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', default='resnet18')
-    parser.add_argument('-b', '--batch-size', type=int, default=32)
-    parser.add_argument('--img-size', type=int, default=64)
-    parser.add_argument('--batches', type=int, default=8, help='micro-batches per timed epoch')
-    parser.add_argument('--accum', type=int, default=1, help='gradient accumulation steps')
-    parser.add_argument('--repeats', type=int, default=15, help='timed epochs per loop (after one warm-up each)')
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--threads', type=int, default=1, help='torch intra-op threads on CPU')
-    parser.add_argument('--output', default=str(REPO / 'bench' / 'results' / 'train_overhead.json'))
+    parser = loop_bench_parser(__doc__.split('\n\n')[0], batches=8, accum=1, repeats=15,
+                               output=str(REPO / 'bench' / 'results' / 'train_overhead.json'))
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -64,8 +53,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=10).to(device)
     criterion = nn.CrossEntropyLoss()
-    batches = [(torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device),
-                torch.randint(0, 10, (args.batch_size,), device=device)) for _ in range(args.batches)]
+    batches = synthetic_batches(args, device)
 
     ref_opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     ours_opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

@@ -1,0 +1,32 @@
+"""What the loop benchmarks share: their command line, device sync, and the synthetic batches they train on."""
+import argparse
+from typing import List, Tuple
+
+import torch
+
+
+def loop_bench_parser(description: str, batches: int, accum: int, repeats: int, output: str) -> argparse.ArgumentParser:
+    """The options of a training-loop benchmark, with that benchmark's defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument('--model', default='resnet18')
+    parser.add_argument('-b', '--batch-size', type=int, default=32)
+    parser.add_argument('--img-size', type=int, default=64)
+    parser.add_argument('--batches', type=int, default=batches, help='micro-batches per timed epoch')
+    parser.add_argument('--accum', type=int, default=accum, help='gradient accumulation steps')
+    parser.add_argument('--repeats', type=int, default=repeats, help='timed epochs per loop (after one warm-up each)')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--threads', type=int, default=1, help='torch intra-op threads on CPU')
+    parser.add_argument('--output', default=output)
+    return parser
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock timings cover it."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def synthetic_batches(args: argparse.Namespace, device: torch.device) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """`args.batches` random image batches with 10-class targets, already on `device`."""
+    return [(torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device),
+             torch.randint(0, 10, (args.batch_size,), device=device)) for _ in range(args.batches)]
