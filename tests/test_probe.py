@@ -10,7 +10,7 @@ import pytest
 from timm_ext.batch_decay import batch_descent
 from timm_ext.probe import (
     DecayGrid, MultipleGrid, NothingFitsError, Trial, TrialError, agree_across_ranks, format_trial, headroom_accept,
-    search_batch_size, select_batch_size,
+    retime_candidates, retime_trials, search_batch_size, select_batch_size, trials_to_json,
 )
 
 from conftest import REPO_ROOT
@@ -118,6 +118,67 @@ def test_throughput_selection_picks_smallest_within_tolerance():
     assert select_batch_size(trials, 'throughput', 0.05).batch_size == 32
     assert select_batch_size(trials, 'throughput', 0.0).batch_size == 64
     assert select_batch_size(trials, 'max').batch_size == 128
+
+
+class NoisyTimings(Boundary):
+    """`Boundary` with set speeds: the first timing of a size is `first[size]` (a disturbed one) when given, every
+    later timing the size's true speed. Deterministic, so the misled choice and the corrected one are known."""
+
+    def __init__(self, speeds, first, limit, per_sample=10):
+        super().__init__(limit, per_sample)
+        self.speeds, self.first = speeds, dict(first)
+
+    def __call__(self, batch_size: int) -> Trial:
+        trial = super().__call__(batch_size)
+        if trial.fits:
+            trial.samples_per_s = self.first.pop(batch_size, self.speeds[batch_size])
+            trial.ms_per_step = 1000.0 * batch_size / trial.samples_per_s
+        return trial
+
+
+# true samples/s of the sizes the search tries under a limit of 100 (1, 2, ... 64, 128 fails, then 96):
+# 64 is the best, 32 is within 5% of it, 16 is not (93%)
+SPEEDS = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0, 16: 186.0, 32: 195.0, 64: 200.0, 96: 199.0}
+
+
+def test_retiming_corrects_a_misleading_first_timing():
+    # 64 and 96 were disturbed (9% and 8% slow) when first timed: the best looks like 32 at 195, and 16 passes
+    trial = NoisyTimings(SPEEDS, {64: 182.0, 96: 183.0}, limit=100)
+    logged = []
+    trials = search_batch_size(trial, 1, on_trial=logged.append)
+    assert select_batch_size(trials, 'throughput', 0.05).batch_size == 16  # misled: 186 is only 93% of 200
+    assert retime_candidates(trials, 0.05) == [16, 32, 64, 96]  # within 10% of 195
+    search_calls = len(trial.calls)
+    extra = retime_trials(trial, trials, 0.05, rounds=2, on_trial=logged.append)
+    retimed = retime_candidates(trials, 0.05)
+    assert trial.calls[search_calls:] == retimed * 2, 'interleaved rounds, each size once per round'
+    assert [t.retime for t in extra] == [1] * len(retimed) + [2] * len(retimed)
+    assert logged == trials + extra  # every re-timing is reported live, like a search trial
+    sel = select_batch_size(trials + extra, 'throughput', 0.05)
+    assert sel.batch_size == 32 and 'median of 3 timings' in sel.reason
+    assert select_batch_size(trials + extra, 'max').batch_size == 96
+    assert '[re-timing 2]' in format_trial(extra[-1])
+    saved = [Trial.from_dict(d) for d in json.loads(trials_to_json(trials + extra))['trials']]
+    assert select_batch_size(saved, 'throughput', 0.05).batch_size == 32, 'a cached table re-selects the same'
+
+
+def test_retiming_is_bounded_and_skips_what_cannot_matter():
+    trials = search_batch_size(NoisyTimings(SPEEDS, {}, limit=100), 1)
+    sizes = retime_candidates(trials, 0.05, max_sizes=2)
+    assert sizes == [64, 96]  # the two fastest of the close ones
+    trial = NoisyTimings(SPEEDS, {}, limit=100)
+    assert len(retime_trials(trial, trials, 0.05, rounds=3, max_sizes=2)) == 6
+    alone = [Trial(8, 'fit', samples_per_s=80.0, accepted=True), Trial(16, 'fit', samples_per_s=186.0, accepted=True)]
+    assert retime_candidates(alone, 0.05) == []  # one close size: nothing to compare
+    stopped = alone + [Trial(32, 'error', error='ValueError: bad', accepted=False)]
+    assert retime_trials(trial, stopped, 0.05) == []
+
+
+def test_size_that_stops_fitting_when_retimed_is_not_chosen():
+    trials = [Trial(b, 'fit', peak_bytes=b, samples_per_s=s, accepted=True) for b, s in ((16, 186.0), (32, 195.0))]
+    trials.append(Trial(32, 'oom', error='RuntimeError: out of memory', accepted=False, retime=1))
+    assert select_batch_size(trials, 'throughput', 0.05).batch_size == 16
+    assert select_batch_size(trials, 'max').batch_size == 16
 
 
 def test_agree_across_ranks_without_a_process_group_is_the_trial_itself():

@@ -6,6 +6,8 @@ OOM (or another error), peak memory, ms per step and samples/s. :func:`search_ba
 it knows nothing of models, so training trials (tune_batch.py) and eval trials (validate.py) share it. With
 `start == max_batch` it probes down from an asked size. :func:`select_batch_size` turns the table into a choice:
 the largest size that fits within the headroom, or the smallest one within a tolerance of the best throughput.
+One timing per size is easily misled on a shared machine, so before a throughput choice :func:`retime_trials`
+times the sizes that could win again, in interleaved rounds, and the choice takes each size's median.
 
 Under torchrun, wrap the trial with :func:`agree_across_ranks`: each rank runs it, then one collective shares every
 rank's outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes
@@ -16,10 +18,11 @@ import logging
 import math
 import os
 import signal
+import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,7 @@ from .oom import is_oom
 __all__ = [
     'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
     'Selection', 'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
-    'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES',
+    'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class Trial:
         samples_per_s: batch_size / step time (x world size under DDP), fits only.
         error: One line naming the failure ('' for a fit).
         accepted: Set by the search: the trial fits and is within the headroom.
+        retime: 0 for the search's trial of the size, k for its k-th re-timing round (`retime_trials`).
     """
     batch_size: int
     status: str
@@ -61,6 +65,7 @@ class Trial:
     samples_per_s: Optional[float] = None
     error: str = ''
     accepted: Optional[bool] = None
+    retime: int = 0
 
     @property
     def fits(self) -> bool:
@@ -175,17 +180,11 @@ def search_batch_size(
     if max_batch is not None and max_batch < 1:
         raise ValueError(f'max batch size must be >= 1, got {max_batch}')
     grid = grid or DecayGrid()
-    accept = accept or (lambda t: t.fits)
     upper = grid.upper(max_batch) if max_batch is not None else None
     trials: List[Trial] = []
 
     def attempt(size: int) -> Trial:
-        trial = run_trial(size)
-        trial.accepted = trial.fits and bool(accept(trial))
-        trials.append(trial)
-        if on_trial is not None:
-            on_trial(trial)
-        return trial
+        return _record(run_trial(size), accept, trials, on_trial)
 
     size = grid.snap(start)
     if upper is not None and start >= upper:
@@ -214,6 +213,71 @@ def search_batch_size(
         else:
             candidates = [s for s in candidates if s < size]
     return trials
+
+
+def _record(trial: Trial, accept: Optional[Callable[[Trial], bool]], trials: List[Trial],
+            on_trial: Optional[Callable[[Trial], None]]) -> Trial:
+    """Mark `trial` accepted or not, append it to the table and report it."""
+    trial.accepted = trial.fits and bool(accept(trial) if accept is not None else True)
+    trials.append(trial)
+    if on_trial is not None:
+        on_trial(trial)
+    return trial
+
+
+def retime_candidates(trials: Sequence[Trial], throughput_tol: float, margin: float = 2.0,
+                      max_sizes: int = 4) -> List[int]:
+    """The sizes worth timing again before a throughput choice, ascending.
+
+    These are the accepted sizes whose first timing is within `margin` x `throughput_tol` of the best first timing
+    (at most `max_sizes`, the fastest): a single disturbed timing can move any of them across the tolerance. Empty
+    when fewer than two sizes qualify (nothing to compare) or the search stopped on an error.
+    """
+    if any(t.status == ERROR for t in trials):
+        return []
+    speeds = {t.batch_size: t.samples_per_s for t in trials if t.accepted and t.samples_per_s and not t.retime}
+    if not speeds:
+        return []
+    floor = (1 - margin * throughput_tol) * max(speeds.values())
+    close = sorted((b for b, s in speeds.items() if s >= floor), key=lambda b: speeds[b], reverse=True)[:max_sizes]
+    return sorted(close) if len(close) > 1 else []
+
+
+def retime_trials(
+        run_trial: TrialFn,
+        trials: Sequence[Trial],
+        throughput_tol: float,
+        rounds: int = 2,
+        accept: Optional[Callable[[Trial], bool]] = None,
+        on_trial: Optional[Callable[[Trial], None]] = None,
+        max_sizes: int = 4,
+) -> List[Trial]:
+    """Time the `retime_candidates` of a search again, in `rounds` interleaved rounds (A, B, C, A, B, C, ...), so
+    that a slow spell of the machine hits every size alike rather than one.
+
+    At most `rounds` x `max_sizes` extra trials. Each is marked with its round (`Trial.retime`) and accepted as in
+    the search; a size that stops fitting within the headroom is not timed again (nor chosen, see
+    `select_batch_size`). A non-OOM failure stops the re-timing (it is the last trial returned).
+
+    Returns:
+        The re-timing trials, in the order run (append them to the search's table).
+    """
+    sizes = retime_candidates(trials, throughput_tol, max_sizes=max_sizes)
+    extra: List[Trial] = []
+    if not sizes or rounds < 1:
+        return extra
+    _logger.info('Throughput: timing batch sizes %s again in %d interleaved rounds (at most %d extra trials).',
+                 sizes, rounds, rounds * len(sizes))
+    for round_index in range(1, rounds + 1):
+        for size in list(sizes):
+            trial = run_trial(size)
+            trial.retime = round_index
+            _record(trial, accept, extra, on_trial)
+            if trial.status == ERROR:
+                return extra
+            if not trial.accepted:
+                sizes.remove(size)
+    return extra
 
 
 def headroom_accept(budget: Optional[int], headroom: float) -> Callable[[Trial], bool]:
@@ -250,6 +314,9 @@ def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_t
     """Choose from a search's table: 'max' (largest accepted size) or 'throughput' (smallest accepted size whose
     samples/s is within `throughput_tol` of the best measured).
 
+    A size tried more than once (`retime_trials`) counts as accepted only if every trial of it was, and its
+    samples/s is the median of its timings.
+
     Args:
         trials: The search's trials (with `accepted` set).
         select: One of SELECT_MODES.
@@ -270,25 +337,30 @@ def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_t
         t = failed[-1]
         raise TrialError(f'batch {t.batch_size} failed with an error that is not out-of-memory{where}: {t.error}; '
                          f'probing stopped (not retried)', trials)
-    accepted = [t for t in trials if t.accepted]
+    by_size: Dict[int, List[Trial]] = {}
+    for t in trials:
+        by_size.setdefault(t.batch_size, []).append(t)
+    accepted = {b: ts for b, ts in by_size.items() if all(t.accepted for t in ts)}
     if not accepted:
         smallest = min(trials, key=lambda t: t.batch_size) if trials else None
         why = f'batch {smallest.batch_size} ran out of memory' if smallest and not smallest.fits else \
             f'batch {smallest.batch_size} fits but leaves less than the headroom free' if smallest else 'no trial ran'
         raise NothingFitsError(f'nothing fits{where}: {why}', trials)
-    largest = max(accepted, key=lambda t: t.batch_size)
+    largest = accepted[max(accepted)][0]
     if select == 'max':
         return Selection(largest.batch_size, f'largest batch that fits within the headroom ({len(trials)} trials)',
                          largest, list(trials))
-    timed = [t for t in accepted if t.samples_per_s]
-    if not timed:
+    timings = {b: [t.samples_per_s for t in ts if t.samples_per_s] for b, ts in accepted.items()}
+    speeds = {b: statistics.median(s) for b, s in timings.items() if s}
+    if not speeds:
         return Selection(largest.batch_size, 'no throughput measured; largest batch that fits', largest, list(trials))
-    best = max(timed, key=lambda t: t.samples_per_s)
-    close = [t for t in timed if t.samples_per_s >= (1 - throughput_tol) * best.samples_per_s]
-    chosen = min(close, key=lambda t: t.batch_size)
+    best = max(speeds, key=speeds.get)
+    chosen = min(b for b, s in speeds.items() if s >= (1 - throughput_tol) * speeds[best])
+    timed = f'median of {len(timings[chosen])} timings' if len(timings[chosen]) > 1 else 'one timing'
     reason = (f'smallest batch within {throughput_tol:.0%} of the best throughput measured '
-              f'({chosen.samples_per_s:.1f} vs {best.samples_per_s:.1f} samples/s at batch {best.batch_size})')
-    return Selection(chosen.batch_size, reason, chosen, list(trials))
+              f'({speeds[chosen]:.1f} vs {speeds[best]:.1f} samples/s at batch {best}; {timed})')
+    highest_peak = max(accepted[chosen], key=lambda t: t.peak_bytes or 0)  # the report and headroom quote the worst
+    return Selection(chosen, reason, highest_peak, list(trials))
 
 
 def _worst(trials: Sequence[Trial]) -> Trial:
@@ -330,13 +402,14 @@ def format_trial(trial: Trial, budget: Optional[int] = None) -> str:
         return f'{head} {trial.error}'
     share = f' ({trial.peak_bytes / budget:.0%} of budget)' if budget and trial.peak_bytes is not None else ''
     note = '' if trial.accepted is not False else '  [over headroom]'
+    note += f'  [re-timing {trial.retime}]' if trial.retime else ''
     speed = f'{trial.ms_per_step:.1f} ms/step, {trial.samples_per_s:.1f} samples/s' if trial.ms_per_step else ''
     return f'{head} peak {format_bytes(trial.peak_bytes)}{share}  {speed}{note}'
 
 
 def format_table(trials: Sequence[Trial], budget: Optional[int] = None) -> str:
-    """The trial table, sorted by batch size, one line per trial."""
-    return '\n'.join(format_trial(t, budget) for t in sorted(trials, key=lambda t: t.batch_size))
+    """The trial table, sorted by batch size (then re-timing round), one line per trial."""
+    return '\n'.join(format_trial(t, budget) for t in sorted(trials, key=lambda t: (t.batch_size, t.retime)))
 
 
 def trials_to_json(trials: Sequence[Trial], **meta) -> str:

@@ -8,7 +8,7 @@ the optimizer state) and a timed update, on random inputs of the largest size th
 device. Under DDP the trial adds a buffer the size of the gradients for DDP's gradient buckets but runs no
 collective inside the step, so a rank that fails alone cannot leave the others waiting.
 
-`probe_train_batch` runs the whole probe: budget, cap, search, choice.
+`probe_train_batch` runs the whole probe: budget, cap, search, re-timing (throughput choice), choice.
 """
 import argparse
 import copy
@@ -25,7 +25,7 @@ from .amp import resolve_amp
 from .memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .probe import (
     ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
-    measured_trial, search_batch_size, select_batch_size,
+    measured_trial, retime_trials, search_batch_size, select_batch_size,
 )
 from .train_loop import LoopConfig, TrainLoop
 from .train_setup import SetupError, build_model, build_task, build_train_loss, resolve_model_dtype
@@ -169,6 +169,7 @@ def probe_train_batch(
         grid: Optional[BatchGrid] = None,
         timed_steps: int = 1,
         on_trial: Optional[Callable[[Trial], None]] = None,
+        retime_rounds: int = 2,
 ) -> ProbeOutcome:
     """Probe the largest training batch under a memory cap and choose one.
 
@@ -187,6 +188,7 @@ def probe_train_batch(
         grid: Sizes tried between a fit and a failure (default: timm's decay grid).
         timed_steps: Timed updates per trial after the warm-up update.
         on_trial: Called with each trial as it completes.
+        retime_rounds: Throughput choice: interleaved rounds that time the close sizes again (`retime_trials`).
 
     Raises:
         BudgetError: The budget is larger than the device.
@@ -206,8 +208,11 @@ def probe_train_batch(
         trial: TrialFn = measured_trial(
             setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
             capped=True, before=setup.reset, isolate=isolate)
-        trials = search_batch_size(agree_across_ranks(trial), start, max_batch, grid or DecayGrid(),
-                                   accept=headroom_accept(budget_bytes, headroom), on_trial=on_trial)
+        trial = agree_across_ranks(trial)
+        accept = headroom_accept(budget_bytes, headroom)
+        trials = search_batch_size(trial, start, max_batch, grid or DecayGrid(), accept=accept, on_trial=on_trial)
+        if select == 'throughput':
+            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial)
     selection = select_batch_size(trials, select, throughput_tol, context)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
