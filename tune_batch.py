@@ -44,7 +44,7 @@ _logger = logging.getLogger('tune_batch')
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
-RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes; the median of 3 counts
+RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes; each size's median counts
 
 
 def build_tune_parser() -> argparse.ArgumentParser:

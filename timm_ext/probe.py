@@ -225,13 +225,16 @@ def _record(trial: Trial, accept: Optional[Callable[[Trial], bool]], trials: Lis
     return trial
 
 
-def retime_candidates(trials: Sequence[Trial], throughput_tol: float, margin: float = 2.0,
-                      max_sizes: int = 4) -> List[int]:
-    """The sizes worth timing again before a throughput choice, ascending.
+def retime_candidates(trials: Sequence[Trial], throughput_tol: float, grid: Optional[BatchGrid] = None,
+                      margin: float = 2.0, max_sizes: int = 4) -> List[int]:
+    """The sizes worth timing (again) before a throughput choice, ascending; at most `max_sizes`.
 
-    These are the accepted sizes whose first timing is within `margin` x `throughput_tol` of the best first timing
-    (at most `max_sizes`, the fastest): a single disturbed timing can move any of them across the tolerance. Empty
-    when fewer than two sizes qualify (nothing to compare) or the search stopped on an error.
+    First the accepted sizes whose first timing is within `margin` x `throughput_tol` of the best first timing, the
+    fastest first: a single disturbed timing can move any of them across the tolerance. Then, in the slots left,
+    `grid` sizes the search never tried between the next smaller size it tried and the largest close one (the
+    doubling skips 48 between 32 and 64, which may be the best or the smallest within the tolerance); they fit if
+    memory grows with the batch, and their re-timing trials check that. Empty when fewer than two sizes qualify
+    (nothing to compare) or the search stopped on an error.
     """
     if any(t.status == ERROR for t in trials):
         return []
@@ -240,6 +243,11 @@ def retime_candidates(trials: Sequence[Trial], throughput_tol: float, margin: fl
         return []
     floor = (1 - margin * throughput_tol) * max(speeds.values())
     close = sorted((b for b, s in speeds.items() if s >= floor), key=lambda b: speeds[b], reverse=True)[:max_sizes]
+    if grid is not None:
+        below = [b for b in speeds if b < min(close)]
+        tried = {t.batch_size for t in trials}
+        untried = [b for b in grid.between(max(below, default=min(close)), max(close)) if b not in tried]
+        close += sorted(untried, reverse=True)[:max_sizes - len(close)]  # the larger ones, nearer the fast sizes
     return sorted(close) if len(close) > 1 else []
 
 
@@ -250,9 +258,10 @@ def retime_trials(
         rounds: int = 2,
         accept: Optional[Callable[[Trial], bool]] = None,
         on_trial: Optional[Callable[[Trial], None]] = None,
+        grid: Optional[BatchGrid] = None,
         max_sizes: int = 4,
 ) -> List[Trial]:
-    """Time the `retime_candidates` of a search again, in `rounds` interleaved rounds (A, B, C, A, B, C, ...), so
+    """Time the `retime_candidates` of a search (again), in `rounds` interleaved rounds (A, B, C, A, B, C, ...), so
     that a slow spell of the machine hits every size alike rather than one.
 
     At most `rounds` x `max_sizes` extra trials. Each is marked with its round (`Trial.retime`) and accepted as in
@@ -262,11 +271,11 @@ def retime_trials(
     Returns:
         The re-timing trials, in the order run (append them to the search's table).
     """
-    sizes = retime_candidates(trials, throughput_tol, max_sizes=max_sizes)
+    sizes = retime_candidates(trials, throughput_tol, grid, max_sizes=max_sizes)
     extra: List[Trial] = []
     if not sizes or rounds < 1:
         return extra
-    _logger.info('Throughput: timing batch sizes %s again in %d interleaved rounds (at most %d extra trials).',
+    _logger.info('Throughput: timing batch sizes %s (again) in %d interleaved rounds (at most %d extra trials).',
                  sizes, rounds, rounds * len(sizes))
     for round_index in range(1, rounds + 1):
         for size in list(sizes):

@@ -188,7 +188,8 @@ def probe_train_batch(
         grid: Sizes tried between a fit and a failure (default: timm's decay grid).
         timed_steps: Timed updates per trial after the warm-up update.
         on_trial: Called with each trial as it completes.
-        retime_rounds: Throughput choice: interleaved rounds that time the close sizes again (`retime_trials`).
+        retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
+            search skipped between them, again (`retime_trials`).
 
     Raises:
         BudgetError: The budget is larger than the device.
@@ -210,9 +211,10 @@ def probe_train_batch(
             capped=True, before=setup.reset, isolate=isolate)
         trial = agree_across_ranks(trial)
         accept = headroom_accept(budget_bytes, headroom)
-        trials = search_batch_size(trial, start, max_batch, grid or DecayGrid(), accept=accept, on_trial=on_trial)
+        grid = grid or DecayGrid()
+        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial)
         if select == 'throughput':
-            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial)
+            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
     selection = select_batch_size(trials, select, throughput_tol, context)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
