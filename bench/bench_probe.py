@@ -191,7 +191,7 @@ def main():
             row['throughput'] = {'sweep_median': sweep, 'sweep_rounds': timings, 'choice': choice,
                                  'choice_vs_best': round(ratio, 3), 'choice_vs_best_first_round': round(ratio_first, 3),
                                  'trials': len(res['trials']), 'retimings': retimed,
-                                 'seconds': round(res['seconds'], 1)}
+                                 'seconds': round(res['seconds'], 1), 'probe_table': res['trials']}
             print(f'   throughput: sweep ({opts.sweep_rounds} rounds, median) best {max(sweep.values()):.0f}/s at '
                   f'{max(sweep, key=sweep.get)}; --select throughput chose {choice} in {len(res["trials"])} trials '
                   f'({retimed} re-timings), {res["seconds"]:.1f} s: {ratio:.1%} of best '
