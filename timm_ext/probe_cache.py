@@ -4,8 +4,10 @@ One JSON file per request in the user's cache folder (`$TIMM_EXT_CACHE_DIR`, els
 `~/.cache/timm_ext`), named by a hash of the key. The key holds everything that changes a step's memory or the
 search's path: model and its kwargs, input size, precision, channels_last, gradient checkpointing, optimizer, EMA,
 the device's name and total memory, world size, torch and timm versions, and the probe's own settings (budget,
-headroom, grid, start, limit). The cached trial table is re-selected on a hit, so `--select` and
-`--throughput-tol` may differ between requests. Files are written atomically; an unreadable one is a miss.
+headroom, grid, start, limit). The cached trial table is re-selected on a hit, so `--select max` and
+`--select critical` share an entry; a throughput request adds its re-timing rounds and `--throughput-tol` to the key,
+because its table holds re-timings chosen with that tolerance. Files are written atomically; an unreadable one is a
+miss.
 """
 import argparse
 import hashlib

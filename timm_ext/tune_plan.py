@@ -52,6 +52,8 @@ def plan_run(args: argparse.Namespace, max_micro_batch: int, world_size: int,
              target_global: Optional[int] = None) -> RunPlan:
     """Plan accumulation and LR for a run whose largest usable micro-batch is `max_micro_batch`.
 
+    `max_micro_batch` is the probe's selection: the largest batch that fits, or the throughput choice.
+
     Without a target the run keeps its --grad-accum-steps. With one, the largest micro-batch <= `max_micro_batch`
     that splits the target exactly is used; if none does, the nearest global batch, and the LR moves with it:
     an explicit --lr (set for the target) is rescaled by the run's rule; an LR from --lr-base follows the actual
@@ -63,8 +65,7 @@ def plan_run(args: argparse.Namespace, max_micro_batch: int, world_size: int,
         micro, steps, exact, reason = accum.micro_batch, accum.accum_steps, accum.exact, accum.reason
     else:
         micro, steps, exact = max_micro_batch, args.grad_accum_steps, None
-        reason = (f'no --target-global-batch: largest micro-batch that fits, with --grad-accum-steps {steps} as '
-                  f'given')
+        reason = f'no --target-global-batch: the selected micro-batch, with --grad-accum-steps {steps} as given'
     global_batch = micro * world_size * steps
     if args.lr:
         if target_global is not None and not exact:
