@@ -20,6 +20,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 from timm import utils
 from timm.models import safe_model_name
@@ -27,14 +28,16 @@ from timm.models import safe_model_name
 from timm_ext.checkpoint import atomic_text
 from timm_ext.critical_batch import DEFAULT_WARMUP_UPDATES, measure_noise_scale, plan_critical
 from timm_ext.distributed import DeviceError, init_device
-from timm_ext.memory import BudgetError, device_name, format_bytes, parse_budget, physical_memory
+from timm_ext.memory import BudgetError, MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
 from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.probe import (
-    SELECT_MODES, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, format_table, format_trial, select_batch_size,
-    trials_to_json,
+    SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, format_table, format_trial,
+    select_batch_size, trials_to_json,
 )
 from timm_ext.probe_cache import ProbeCache, probe_key
-from timm_ext.probe_train import ProbeOutcome, build_train_trial, nothing_fits_advice, probe_train_batch
+from timm_ext.probe_train import (
+    ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
+)
 from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, parse_args
 from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations
 from timm_ext.tune_plan import config_values, extension_flags, plan_run, shell_line, train_command, tuned_config_text
@@ -157,27 +160,14 @@ def default_config_path(args: argparse.Namespace) -> str:
     return os.path.join('output', 'tune', f'{safe_model_name(args.model)}-{size}.yaml')
 
 
-def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    train_args = copy.deepcopy(args)  # as parsed: what the config describes (init_device adds runtime fields)
-    device = init_device(args)
-    world_size = args.world_size if args.distributed else args.nproc
+def probe_or_reuse(args: argparse.Namespace, setup: TrainTrialSetup, device: torch.device, budget: MemoryBudget,
+                   budget_bytes: int, grid: BatchGrid, probe_select: str, world_size: int, max_batch: int,
+                   trials_path: str) -> ProbeOutcome:
+    """The probe's outcome for this request: from the cache when an identical one was probed, else probed now.
+
+    Trials are printed live (rank 0) and the table is kept up to date at `trials_path` while probing.
+    """
     primary = args.rank == 0
-    budget = parse_budget(args.mem_budget or '1.0')
-    grid = MultipleGrid(args.batch_multiple) if args.batch_multiple else DecayGrid()
-    config_path = args.tuned_config or default_config_path(args)
-    probe_select = 'max' if args.select == 'critical' else args.select  # critical starts from the memory maximum
-    trials_path = os.path.splitext(config_path)[0] + '.trials.json'
-
-    setup = build_train_trial(args, device)
-    dataset_train, _ = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
-    limits = [len(dataset_train) // max(world_size, 1)]
-    if args.max_batch:
-        limits.append(args.max_batch)
-    max_batch = min(limits)
-    if max_batch < 1:
-        raise SetupError(f'the training split has fewer samples ({len(dataset_train)}) than ranks ({world_size})')
-
-    budget_bytes = budget.resolve(device)
     settings = dict(budget=budget_bytes, headroom=args.mem_headroom, grid=repr(grid), start=args.probe_start,
                     max_batch=max_batch, timed_steps=TIMED_STEPS)
     if probe_select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
@@ -222,6 +212,32 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             atomic_text(trials_to_json(outcome.trials, request=key, complete=True), trials_path)
             if cache_file:
                 print(f'Probe: {len(outcome.trials)} trials; cached in {cache_file}; table in {trials_path}.')
+    return outcome
+
+
+def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    train_args = copy.deepcopy(args)  # as parsed: what the config describes (init_device adds runtime fields)
+    device = init_device(args)
+    world_size = args.world_size if args.distributed else args.nproc
+    primary = args.rank == 0
+    budget = parse_budget(args.mem_budget or '1.0')
+    grid = MultipleGrid(args.batch_multiple) if args.batch_multiple else DecayGrid()
+    config_path = args.tuned_config or default_config_path(args)
+    probe_select = 'max' if args.select == 'critical' else args.select  # critical starts from the memory maximum
+    trials_path = os.path.splitext(config_path)[0] + '.trials.json'
+
+    setup = build_train_trial(args, device)
+    dataset_train, _ = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
+    limits = [len(dataset_train) // max(world_size, 1)]
+    if args.max_batch:
+        limits.append(args.max_batch)
+    max_batch = min(limits)
+    if max_batch < 1:
+        raise SetupError(f'the training split has fewer samples ({len(dataset_train)}) than ranks ({world_size})')
+
+    budget_bytes = budget.resolve(device)
+    outcome = probe_or_reuse(args, setup, device, budget, budget_bytes, grid, probe_select, world_size, max_batch,
+                             trials_path)
 
     plan = plan_run(args, outcome.selection.batch_size, world_size, args.target_global_batch)
     critical_lines = []
