@@ -101,3 +101,23 @@ def test_stock_rule():
     assert check_batch_size_retry('CUDA out of memory')
     assert not check_batch_size_retry('Illegal memory access')
     assert not check_batch_size_retry('required rank 4 tensor to use channels_last format')
+
+
+def test_onednn_primitive_failure_is_oom_only_under_a_cpu_cap():
+    # oneDNN's wording when an allocation fails under RLIMIT_DATA; without a cap the same words can mean anything.
+    exc = RuntimeError('could not create a primitive descriptor for a convolution forward propagation primitive')
+    assert not is_oom(exc) and not should_retry(exc)
+    assert is_oom(exc, cpu_capped=True) and should_retry(exc, cpu_capped=True)
+
+
+def test_cpu_data_capped_reads_the_real_limit():
+    code = textwrap.dedent('''
+        import resource
+        from timm_ext.oom import cpu_data_capped
+        before = cpu_data_capped()
+        resource.setrlimit(resource.RLIMIT_DATA, (1 << 40, resource.RLIM_INFINITY))
+        print(before, cpu_data_capped())
+    ''')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['False', 'True']

@@ -5,11 +5,13 @@ the allocators of each backend raise. `should_retry` is the policy: retry with a
 never on errors that leave the device unusable or that a smaller batch cannot fix.
 `check_batch_size_retry` keeps the stock validate.py rule for callers that want exactly that behaviour.
 """
+import resource
 from typing import Iterator
 
 import torch
 
-__all__ = ['is_oom', 'should_retry', 'check_batch_size_retry', 'OOM_MESSAGES', 'FATAL_MESSAGES']
+__all__ = ['is_oom', 'should_retry', 'check_batch_size_retry', 'cpu_data_capped', 'OOM_MESSAGES', 'FATAL_MESSAGES',
+           'CAPPED_CPU_OOM_MESSAGES']
 
 # Lower-cased fragments of the messages each backend raises when an allocation fails.
 OOM_MESSAGES = (
@@ -19,6 +21,10 @@ OOM_MESSAGES = (
     'cublas_status_alloc_failed',             # cuBLAS handle/workspace allocation
     'cudnn_status_alloc_failed',
 )
+
+# oneDNN (CPU convolutions) reports a failed allocation as a failure to create its primitive. Under a CPU data cap
+# that is the cap speaking; without one it may be anything, so it counts as an OOM only while capped.
+CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive',)
 
 # Lower-cased fragments of errors that must never be retried, even when they mention memory.
 FATAL_MESSAGES = (
@@ -43,8 +49,22 @@ def _message(exc: BaseException) -> str:
     return str(exc).lower()
 
 
-def is_oom(exc: BaseException) -> bool:
-    """Return True when `exc` (or an exception it wraps) is an out-of-memory failure of any backend."""
+def cpu_data_capped() -> bool:
+    """True when this process runs under a data-segment limit (RLIMIT_DATA), as the CPU memory caps set."""
+    try:
+        return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+    except (ValueError, OSError):
+        return False
+
+
+def is_oom(exc: BaseException, cpu_capped: bool = False) -> bool:
+    """Return True when `exc` (or an exception it wraps) is an out-of-memory failure of any backend.
+
+    Args:
+        exc: The failure.
+        cpu_capped: A CPU memory cap is in force, so oneDNN's primitive-creation failures count as OOM too.
+    """
+    oom_messages = OOM_MESSAGES + (CAPPED_CPU_OOM_MESSAGES if cpu_capped else ())
     for err in _exception_chain(exc):
         if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
             return True
@@ -52,20 +72,20 @@ def is_oom(exc: BaseException) -> bool:
             msg = _message(err)
             if any(fatal in msg for fatal in FATAL_MESSAGES):
                 return False
-            if any(oom in msg for oom in OOM_MESSAGES):
+            if any(oom in msg for oom in oom_messages):
                 return True
     return False
 
 
-def should_retry(exc: BaseException) -> bool:
-    """Return True when running again with a smaller batch can fix `exc`: real OOMs only.
+def should_retry(exc: BaseException, cpu_capped: bool = False) -> bool:
+    """Return True when running again with a smaller batch can fix `exc`: real OOMs only (see `is_oom`).
 
     Illegal memory accesses, device-side asserts, channels_last rank errors, shape and dtype errors are never
     retried: a smaller batch cannot fix them, and after the first two the device is unusable anyway.
     """
     if any(fatal in _message(err) for err in _exception_chain(exc) for fatal in FATAL_MESSAGES):
         return False
-    return is_oom(exc)
+    return is_oom(exc, cpu_capped)
 
 
 def check_batch_size_retry(error_str: str) -> bool:

@@ -13,14 +13,13 @@ own gradient all-reduce, and the window's gradients are averaged explicitly once
 finished it (`allreduce_gradients`).
 """
 import math
-import resource
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .oom import should_retry
+from .oom import cpu_data_capped, should_retry
 
 __all__ = ['is_recoverable_oom', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory', 'RankFailed',
            'agree_status', 'allreduce_gradients', 'split_batch', 'OK', 'OOM', 'FAILED']
@@ -29,27 +28,11 @@ __all__ = ['is_recoverable_oom', 'MicroBatchSplitter', 'OomRecoveryError', 'Wind
 OK, OOM, FAILED = 0, 1, 2
 
 
-# oneDNN (CPU) reports a failed allocation as a failure to create its primitive; it means OOM only under a data cap
-_CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive',)
-
-
-def _cpu_data_capped() -> bool:
-    try:
-        return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
 def is_recoverable_oom(exc: BaseException, device: torch.device) -> bool:
     """An OOM that a smaller micro-batch can fix: `timm_ext.oom.should_retry`, plus oneDNN's primitive-creation
     failure on a CPU whose data segment is capped (RLIMIT_DATA), which is how oneDNN reports an allocation failure.
     """
-    if should_retry(exc):
-        return True
-    if device.type != 'cpu' or not _cpu_data_capped():
-        return False
-    message = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(m in message for m in _CAPPED_CPU_OOM_MESSAGES)
+    return should_retry(exc, cpu_capped=device.type == 'cpu' and cpu_data_capped())
 
 
 class OomRecoveryError(Exception):

@@ -427,11 +427,6 @@ def trials_to_json(trials: Sequence[Trial], **meta) -> str:
 
 
 
-# oneDNN (CPU convolutions) reports a failed allocation as a failure to create its primitive. Under a CPU cap that
-# is the cap speaking; without one it may be anything, so it counts as an OOM only while capped.
-_CPU_CAPPED_OOM_MESSAGES = ('could not create a primitive',)
-
-
 def _one_line(exc: BaseException) -> str:
     text = ' '.join(str(exc).split())
     return f'{type(exc).__name__}: {text}'[:300]
@@ -492,8 +487,7 @@ def measured_trial(
                 seconds = min(seconds, time.perf_counter() - start)
             peak = meter.peak()
         except Exception as e:  # every failure is reported as a trial; only OOMs let the search go on
-            oom = is_oom(e) or (capped and device.type == 'cpu' and any(
-                m in str(e).lower() for m in _CPU_CAPPED_OOM_MESSAGES))
+            oom = is_oom(e, cpu_capped=capped and device.type == 'cpu')
             trial = Trial(batch_size, OOM if oom else ERROR, error=_one_line(e))
             traceback.clear_frames(e.__traceback__)  # the frames hold the failed step's activations
         else:

@@ -7,7 +7,6 @@ dataset is then evaluated once at that size. Should a real batch still run out o
 data), the pass continues from the first unfinished sample at the next smaller size. Only OOMs are retried.
 """
 import logging
-import resource
 import sys
 import time
 import traceback
@@ -27,7 +26,7 @@ from .batch_decay import batch_descent, decay_batch_step
 from .hub import is_download_error, pretrained_unavailable
 from .memory import PeakMeter, data_and_stack, free_memory
 from .metrics import precision_recall_f1
-from .oom import is_oom, should_retry
+from .oom import cpu_data_capped, is_oom, should_retry
 from .probe import OOM, NothingFitsError, ProbeError, format_trial, measured_trial, select_batch_size
 from .weights import WeightsError, checkpoint_num_classes, load_weights, one_line, read_weights
 
@@ -305,7 +304,7 @@ def _remaining(dataset, done: int):
 
 
 def _cpu_capped(device: torch.device) -> bool:
-    return device.type == 'cpu' and resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+    return device.type == 'cpu' and cpu_data_capped()
 
 
 def _probe(em: EvalModel, sizes: List[int], prefetch_copies: int) -> int:
@@ -377,8 +376,9 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
                      total_batches=_num_samples(loader) if totals.samples == 0 else None)
             return totals, real_labels, ran
         except Exception as e:
-            if not (step_down and should_retry(e)):
-                if is_oom(e):
+            capped = _cpu_capped(em.device)
+            if not (step_down and should_retry(e, capped)):
+                if is_oom(e, capped):
                     raise _oom_error(batch_size, e) from None
                 raise
             smaller = decay_batch_step(batch_size)
