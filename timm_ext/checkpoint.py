@@ -81,20 +81,15 @@ def atomic_text(text: str, path: os.PathLike) -> None:
 
 def atomic_duplicate(src: os.PathLike, dst: os.PathLike) -> None:
     """Make ``dst`` a complete copy of ``src`` (a hard link where possible), replacing ``dst`` atomically."""
-    src, dst = Path(src), Path(dst)
-    tmp = _tmp_path(dst)
-    try:
+    src = Path(src)
+
+    def link_or_copy(tmp: Path) -> None:
         try:
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
-            with open(tmp, 'rb+') as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(dst.parent)
+
+    atomic_write(dst, link_or_copy)
 
 
 def remove_stale_tmp_files(folder: os.PathLike) -> List[Path]:
