@@ -12,7 +12,6 @@ next to it.
     python bench/bench_noise_scale_overhead.py --model test_vit --img-size 32 -b 16
     python bench/bench_noise_scale_overhead.py --device cuda --model resnet50 --img-size 224 -b 64
 """
-import json
 import logging
 import statistics
 import sys
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, sync, synthetic_batches  # noqa: E402  (bench/common.py)
+from common import loop_bench_parser, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
 
 ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'oom_recover': True}}
 
@@ -87,9 +86,7 @@ def main() -> None:
                         'min_ratio': min(times[name]) / min(times['plain'])}
         print(f"  {name:12s}: median {result['median_s'][name] * 1e3:8.1f} ms/epoch, median pair ratio {ratio:.4f} "
               f"({100 * (ratio - 1):+.2f}%), best vs best {result[name]['min_ratio']:.4f}")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(args.output, result)
 
 
 if __name__ == '__main__':

@@ -11,7 +11,6 @@ drift of the machine hits both; the median of the back-to-back pair ratios is re
     python bench/bench_train_overhead.py --accum 4 --repeats 9
     python bench/bench_train_overhead.py --device cuda --model resnet50 --img-size 224 -b 64
 """
-import json
 import logging
 import statistics
 import sys
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, sync, synthetic_batches  # noqa: E402  (bench/common.py)
+from common import loop_bench_parser, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
 
 
 def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
@@ -103,9 +102,7 @@ def main() -> None:
     print(f"  train.py loop:  median {result['ours_median_s'] * 1e3:8.1f} ms/epoch")
     print(f"  ratio ours/reference (median of back-to-back pairs): {ratio:.4f} ({result['overhead_pct']:+.2f}%); "
           f"best epoch vs best epoch: {result['min_ratio']:.4f}")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(args.output, result)
 
 
 if __name__ == '__main__':

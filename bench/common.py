@@ -1,5 +1,7 @@
 """What the loop benchmarks share: their command line, device sync, and the synthetic batches they train on."""
 import argparse
+import json
+from pathlib import Path
 from typing import List, Tuple
 
 import torch
@@ -30,3 +32,10 @@ def synthetic_batches(args: argparse.Namespace, device: torch.device) -> List[Tu
     """`args.batches` random image batches with 10-class targets, already on `device`."""
     return [(torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device),
              torch.randint(0, 10, (args.batch_size,), device=device)) for _ in range(args.batches)]
+
+
+def write_result(path: str, result: dict) -> None:
+    """Save a benchmark's figures as JSON, creating the folder."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
