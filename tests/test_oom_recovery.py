@@ -174,6 +174,18 @@ def test_one_sample_that_does_not_fit_is_a_clear_error_and_changes_nothing():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_oom_in_the_optimizer_step_is_a_clear_error_not_a_replay():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 3))  # 16 MB in the middle layer
+    task = ClassificationTask(model, nn.CrossEntropyLoss(), device=CPU, verbose=False)
+    loop = TrainLoop(task, torch.optim.Adam(model.parameters()), LoopConfig(device=CPU, batch_size=4, oom_recover=True))
+    # the backward's gradients (~16 MB) fit; Adam's two state buffers per parameter (~32 MB) do not
+    with memory_cap(CPU, 24 * MB), pytest.raises(OomRecoveryError, match='optimizer step at epoch 0 update 0') as err:
+        loop.train_one_epoch(0, wide_batches([4]))
+    assert 'does not shrink' in str(err.value) and '\n' not in str(err.value)
+    assert loop.splitter.micro_batch == 4, 'the update was not replayed with smaller micro-batches'
+
+
 def test_errors_other_than_oom_are_not_swallowed():
     calls = []
 

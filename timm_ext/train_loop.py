@@ -251,6 +251,24 @@ class TrainLoop:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _guarded_optimizer_update(self, grad_correction: float, where: str) -> None:
+        """`optimizer_update`; with OOM recovery armed, an OOM inside it stops the run with a clear error.
+
+        Splitting micro-batches cannot help there: the optimizer's state and update take the same memory whatever
+        the micro-batch, and a failed step may have updated some parameters already, so it is not replayed.
+        """
+        try:
+            self.optimizer_update(grad_correction)
+        except Exception as e:
+            if self.splitter is None or not is_recoverable_oom(e, self.cfg.device):
+                raise
+            traceback.clear_frames(e.__traceback__)
+            raise OomRecoveryError(
+                f'out of memory in the optimizer step at {where}, after the update\'s forward and backward passes '
+                f'fit: a smaller micro-batch does not shrink the optimizer\'s state or update, so OOM recovery '
+                f'stops here; checkpoints already written are intact. Free device memory, use an optimizer with '
+                f'less state (e.g. --opt sgd), --model-ema-force-cpu, or a smaller model') from None
+
     def train_window(self, batches: Iterator, window_len: int, where: str) -> Tuple[torch.Tensor, int, float, Any]:
         """Forward and backward over the next ``window_len`` batches; their gradients add up in ``.grad``.
 
@@ -381,7 +399,7 @@ class TrainLoop:
             if self.noise is not None:
                 amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
                 self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
-            self.optimizer_update(correction)
+            self._guarded_optimizer_update(correction, where)
             if self.splitter is not None and not self.window_replays:
                 self._after_clean_update(where)
             num_updates += 1
