@@ -188,6 +188,8 @@ def train(args, args_text: str) -> int:
 
     def state(epoch, metric=None):
         extra = {'micro_batch': loop.splitter.state_dict()} if loop.splitter is not None else {}
+        if loop.noise is not None:  # rank 0's EMAs; every rank continues from them on resume
+            extra['noise_scale'] = loop.noise.estimator.state_dict()
         return {**ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler), **extra}
 
     def save_recovery(epoch, update_idx):
@@ -228,6 +230,8 @@ def train(args, args_text: str) -> int:
         if primary and loop.splitter.splits > 1:
             _logger.info(f'OOM recovery: continuing with the checkpoint\'s micro-batch {loop.splitter.micro_batch} '
                          f'({loop.splitter.splits} pieces per loader batch of {loop.splitter.batch_size}).')
+    if loop.noise is not None and resumed is not None and resumed.get('noise_scale'):
+        loop.noise.estimator.load_state_dict(resumed['noise_scale'])
     if primary:
         stepped = 'update' if lr_scheduler is not None and not lr_scheduler.t_in_epochs else 'epoch'
         _logger.info(f'Scheduled epochs: {num_epochs}, {updates_per_epoch} updates per epoch of '

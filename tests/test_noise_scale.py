@@ -57,3 +57,19 @@ def test_squared_norm_over_grads():
 def test_rejects_bad_decay():
     with pytest.raises(ValueError, match='ema_decay'):
         NoiseScaleEstimator(1.0)
+
+
+def test_state_dict_round_trip_continues_the_same_emas():
+    pairs = [(torch.tensor(9.0), 4, torch.tensor(3.0), 16), (11.0, 4, 2.5, 16), (8.0, 4, 3.5, 16)]
+    whole = NoiseScaleEstimator(0.9)
+    for pair in pairs:
+        whole.update(*pair)
+    first = NoiseScaleEstimator(0.9)
+    first.update(*pairs[0])
+    resumed = NoiseScaleEstimator(0.9)
+    resumed.load_state_dict(first.state_dict())
+    for pair in pairs[1:]:
+        resumed.update(*pair)
+    assert resumed.num_updates == 3
+    assert resumed.b_simple == pytest.approx(whole.b_simple, rel=1e-6)  # float32 tensors vs saved floats
+    assert all(isinstance(v, (int, float)) for v in first.state_dict().values())  # no device tensors in checkpoints

@@ -109,6 +109,16 @@ def test_short_run_writes_noise_scale_csv(tmp_path):
     with open(run / 'summary.csv', newline='') as f:
         assert next(csv.reader(f)) == ['epoch', 'train_loss', 'lr']  # stock columns (no eval split here)
 
+    # resume for a second epoch: the EMAs continue from the checkpoint instead of starting over
+    resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split',
+                         '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+                         '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '2', '--log-noise-scale',
+                         '--resume', str(run / 'last.pth.tar'))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with open(run / 'noise_scale.csv', newline='') as f:
+        rows = list(csv.DictReader(f))
+    assert [(r['epoch'], r['pairs']) for r in rows] == [('0', '24'), ('1', '48')]
+
 
 def test_noise_scale_without_two_batch_sizes_is_one_line_error(image_folder, tmp_path, monkeypatch, capsys):
     sys.path.insert(0, str(REPO_ROOT))

@@ -8,7 +8,7 @@ their ratio estimates the critical batch size, beyond which a bigger batch buys 
 stay tensors (no host sync) until read.
 """
 import math
-from typing import Iterable, List, Tuple, Union
+from typing import Dict, Iterable, List, Tuple, Union
 
 import torch
 
@@ -49,6 +49,16 @@ class NoiseScaleEstimator:
         self._trace_sigma = keep * self._trace_sigma + (1 - keep) * trace_sigma
         self._weight = keep * self._weight + (1 - keep)
         self.num_updates += 1
+
+    def state_dict(self) -> Dict[str, float]:
+        """The EMAs as plain numbers, for a checkpoint (reads device values once)."""
+        return {'g_sq': float(self._g_sq), 'trace_sigma': float(self._trace_sigma), 'weight': self._weight,
+                'num_updates': self.num_updates}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        """Continue the EMAs of a checkpoint (`state_dict`), so a resumed run does not start them over."""
+        self._g_sq, self._trace_sigma = state['g_sq'], state['trace_sigma']
+        self._weight, self.num_updates = state['weight'], int(state['num_updates'])
 
     @property
     def g_sq(self) -> float:
