@@ -47,7 +47,7 @@ _logger = logging.getLogger('tune_batch')
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
-RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes; each size's median counts
+RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes (see select_batch_size)
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -285,6 +285,8 @@ def report_lines(outcome: ProbeOutcome, plan, args: argparse.Namespace, budget_b
         f'select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
         f'{format_bytes(sel.trial.peak_bytes)}).',
     ]
+    if sel.caveat:
+        lines.append(f'Note: {sel.caveat}.')
     if plan.micro_batch != sel.batch_size:
         lines.append(f'Micro-batch {plan.micro_batch} used (<= {sel.batch_size}) to split the global batch exactly.')
     lines += [

@@ -10,7 +10,7 @@ import pytest
 from timm_ext.batch_decay import batch_descent
 from timm_ext.probe import (
     DecayGrid, MultipleGrid, NothingFitsError, Trial, TrialError, agree_across_ranks, format_trial, headroom_accept,
-    retime_candidates, retime_trials, search_batch_size, select_batch_size, trials_to_json,
+    retime_candidates, retime_trials, search_batch_size, select_batch_size, timing_spread, trials_to_json,
 )
 
 from conftest import REPO_ROOT
@@ -155,7 +155,7 @@ def test_retiming_corrects_a_misleading_first_timing():
     assert [t.retime for t in extra] == [1] * len(retimed) + [2] * len(retimed)
     assert logged == trials + extra  # every re-timing is reported live, like a search trial
     sel = select_batch_size(trials + extra, 'throughput', 0.05)
-    assert sel.batch_size == 32 and 'median of 3 timings' in sel.reason
+    assert sel.batch_size == 32 and 'slowest of 3 timings' in sel.reason
     assert select_batch_size(trials + extra, 'max').batch_size == 96
     assert '[re-timing 2]' in format_trial(extra[-1])
     saved = [Trial.from_dict(d) for d in json.loads(trials_to_json(trials + extra))['trials']]
@@ -184,6 +184,33 @@ def test_retiming_adds_the_grid_sizes_the_search_skipped():
     extra = retime_trials(NoisyTimings(speeds, {}, limit=100), trials, 0.05, rounds=2, grid=DecayGrid())
     assert [t.batch_size for t in extra] == [48, 64, 96] * 2
     assert select_batch_size(trials + extra, 'throughput', 0.05).batch_size == 48
+
+
+def test_throughput_choice_needs_every_timing_of_a_smaller_size_within_tolerance():
+    def timed(size, *speeds):
+        return [Trial(size, 'fit', samples_per_s=s, accepted=True, retime=i) for i, s in enumerate(speeds)]
+
+    best = timed(64, 200.0, 204.0, 196.0)  # median 200: the floor at 5% is 190
+    steady = timed(32, 193.0, 191.0, 195.0)
+    one_slow_round = timed(32, 198.0, 196.0, 185.0)  # median 196 is within 5%, but one round is 7.5% behind
+    assert select_batch_size(best + steady, 'throughput', 0.05).batch_size == 32
+    sel = select_batch_size(best + one_slow_round, 'throughput', 0.05)
+    assert sel.batch_size == 64 and 'best throughput measured' in sel.reason
+    fastest_is_smallest = timed(16, 210.0, 209.0, 211.0)  # the best itself is chosen on its median
+    assert select_batch_size(best + fastest_is_smallest, 'throughput', 0.05).batch_size == 16
+
+
+def test_timings_noisier_than_the_tolerance_come_with_a_caveat():
+    steady = [Trial(b, 'fit', samples_per_s=s, accepted=True, retime=i)
+              for b, speeds in ((32, (190.0, 194.0)), (64, (200.0, 204.0))) for i, s in enumerate(speeds)]
+    assert timing_spread(steady) == pytest.approx(4 / 192)  # the larger of 32 (4 / 192) and 64 (4 / 202)
+    assert select_batch_size(steady, 'throughput', 0.05).caveat == ''
+    noisy = steady + [Trial(64, 'fit', samples_per_s=185.0, accepted=True, retime=2)]  # 19/200 apart
+    assert timing_spread(noisy) == pytest.approx(19 / 200)
+    caveat = select_batch_size(noisy, 'throughput', 0.05).caveat
+    assert 'up to 10%' in caveat and '--select max' in caveat
+    assert select_batch_size(noisy, 'max').caveat == ''  # the largest fit does not rest on timings
+    assert timing_spread([Trial(8, 'fit', samples_per_s=10.0), Trial(8, 'oom')]) == 0.0
 
 
 def test_size_that_stops_fitting_when_retimed_is_not_chosen():

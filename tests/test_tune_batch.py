@@ -150,6 +150,18 @@ def test_second_identical_request_is_a_cache_hit(dry_run, image_folder):
     assert 'cached result' not in other.stdout and trial_lines(other.stdout)
 
 
+def test_select_throughput_retimes_and_explains_its_choice(tmp_path, image_folder):
+    # a wide tolerance makes every fitting size a candidate for re-timing, however the timings fall
+    result = tune(tmp_path, image_folder, *BUDGET, '--select', 'throughput', '--throughput-tol', '0.5',
+                  '--tuned-config', tmp_path / 't.yaml', '--dry-run')
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = trial_lines(result.stdout)
+    assert any('[re-timing 2]' in line for line in lines), 'the close sizes are timed again in interleaved rounds'
+    report = next(line for line in result.stdout.splitlines() if 'select throughput: micro-batch' in line)
+    assert 'smallest batch within 50%' in report or 'the best throughput measured' in report
+    assert 'Note: timings of one batch size' not in result.stdout  # rounds agree far better than 50%
+
+
 def one_line_error(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if 'error' in line or 'interrupted' in line]
     assert len(lines) == 1, result.stderr[-3000:]

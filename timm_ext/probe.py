@@ -7,7 +7,8 @@ it knows nothing of models, so training trials (tune_batch.py) and eval trials (
 `start == max_batch` it probes down from an asked size. :func:`select_batch_size` turns the table into a choice:
 the largest size that fits within the headroom, or the smallest one within a tolerance of the best throughput.
 One timing per size is easily misled on a shared machine, so before a throughput choice :func:`retime_trials`
-times the sizes that could win again, in interleaved rounds, and the choice takes each size's median.
+times the sizes that could win again, in interleaved rounds; the best is the fastest median, and a smaller size
+counts as within the tolerance only if its slowest timing is.
 
 Under torchrun, wrap the trial with :func:`agree_across_ranks`: each rank runs it, then one collective shares every
 rank's outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes
@@ -35,6 +36,7 @@ __all__ = [
     'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
     'Selection', 'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
     'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',
+    'timing_spread',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -311,11 +313,23 @@ class Selection:
         reason: One sentence for the report.
         trial: The trial of the chosen size.
         trials: The whole table.
+        caveat: A warning to show with the choice ('' when none), e.g. timings too noisy for the tolerance.
     """
     batch_size: int
     reason: str
     trial: Trial
     trials: List[Trial] = field(default_factory=list)
+    caveat: str = ''
+
+
+def timing_spread(trials: Sequence[Trial]) -> float:
+    """How far timings of one batch size disagree: the largest (slowest - fastest) / median samples/s over the sizes
+    timed more than once (0.0 when none was)."""
+    timings: Dict[int, List[float]] = {}
+    for t in trials:
+        if t.fits and t.samples_per_s:
+            timings.setdefault(t.batch_size, []).append(t.samples_per_s)
+    return max(((max(v) - min(v)) / statistics.median(v) for v in timings.values() if len(v) > 1), default=0.0)
 
 
 def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_tol: float = 0.05,
@@ -323,8 +337,11 @@ def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_t
     """Choose from a search's table: 'max' (largest accepted size) or 'throughput' (smallest accepted size whose
     samples/s is within `throughput_tol` of the best measured).
 
-    A size tried more than once (`retime_trials`) counts as accepted only if every trial of it was, and its
-    samples/s is the median of its timings.
+    A size tried more than once (`retime_trials`) counts as accepted only if every trial of it was. The best size is
+    the one with the fastest median; another size is within the tolerance only if its slowest timing is. Rounds
+    disagree by a few percent on a shared machine, as much as the tolerance, and a size picked on its median alone
+    lands near the edge of the tolerance half the time it is measured again; the slowest timing keeps the choice
+    on the safe side, a larger batch.
 
     Args:
         trials: The search's trials (with `accepted` set).
@@ -364,12 +381,21 @@ def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_t
     if not speeds:
         return Selection(largest.batch_size, 'no throughput measured; largest batch that fits', largest, list(trials))
     best = max(speeds, key=speeds.get)
-    chosen = min(b for b, s in speeds.items() if s >= (1 - throughput_tol) * speeds[best])
-    timed = f'median of {len(timings[chosen])} timings' if len(timings[chosen]) > 1 else 'one timing'
-    reason = (f'smallest batch within {throughput_tol:.0%} of the best throughput measured '
-              f'({speeds[chosen]:.1f} vs {speeds[best]:.1f} samples/s at batch {best}; {timed})')
+    floor = (1 - throughput_tol) * speeds[best]
+    chosen = min(b for b in speeds if b == best or min(timings[b]) >= floor)
+    if chosen == best:
+        timed = f'median of {len(timings[best])} timings' if len(timings[best]) > 1 else 'one timing'
+        reason = f'the best throughput measured ({speeds[best]:.1f} samples/s, {timed})'
+    else:
+        timed = f'slowest of {len(timings[chosen])} timings' if len(timings[chosen]) > 1 else 'one timing'
+        reason = (f'smallest batch within {throughput_tol:.0%} of the best throughput measured '
+                  f'({min(timings[chosen]):.1f} samples/s, {timed}, vs a median of {speeds[best]:.1f} at batch {best})')
     highest_peak = max(accepted[chosen], key=lambda t: t.peak_bytes or 0)  # the report and headroom quote the worst
-    return Selection(chosen, reason, highest_peak, list(trials))
+    spread = timing_spread(trials)
+    caveat = '' if spread <= throughput_tol else (
+        f'timings of one batch size disagree by up to {spread:.0%} here, more than the {throughput_tol:.0%} '
+        f'tolerance, so sizes that close cannot be ranked reliably on this machine; --select max is the safer choice')
+    return Selection(chosen, reason, highest_peak, list(trials), caveat)
 
 
 def _worst(trials: Sequence[Trial]) -> Trial:
