@@ -229,3 +229,30 @@ def test_bad_input_in_a_real_process_has_no_traceback(image_folder, tmp_path, ex
     assert 'Traceback' not in result.stderr
     errors = [line for line in result.stderr.splitlines() if 'error' in line.lower()]
     assert len(errors) == 1 and words in errors[0], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize('flags', [['--torchscript'], ['--torchcompile', 'eager'], ['--channels-last']],
+                         ids=['torchscript', 'torchcompile-eager', 'channels-last'])
+def test_model_transforms_keep_the_scores(validate_main, capsys, caplog, image_folder, trained_run, flags):
+    caplog.set_level(logging.INFO)
+    common = ['--data-dir', image_folder, '--model', 'test_resnet', '--checkpoint', trained_run[0] / 'last.pth.tar',
+              *BASE]
+    status, plain, _ = run_main(validate_main, capsys, *common)
+    plain_loss = last_loss(caplog.text)
+    caplog.clear()
+    status_t, transformed, _ = run_main(validate_main, capsys, *common, *flags)
+    assert status == status_t == 0
+    assert transformed == plain  # same row, same scores
+    assert last_loss(caplog.text) == pytest.approx(plain_loss, abs=1e-5)
+
+
+def test_test_pool_applies_above_the_model_input_size(validate_main, capsys, caplog, image_folder, trained_run):
+    caplog.set_level(logging.INFO)
+    common = ['--data-dir', image_folder, '--model', 'test_resnet', '--checkpoint', trained_run[0] / 'last.pth.tar',
+              '--device', 'cpu', '-j', '0', '--test-pool']
+    status, results, _ = run_main(validate_main, capsys, *common, '--img-size', '192')  # test_resnet's input is 160
+    assert status == 0 and results['img_size'] == 192
+    assert results['crop_pct'] == 1.0  # test-time pooling sees the whole image, as stock reports it
+    assert 'test time pool' in caplog.text.lower()
+    status, results, _ = run_main(validate_main, capsys, *common, '--img-size', '32')
+    assert status == 0 and results['crop_pct'] != 1.0  # below the model's size the pool is not applied
