@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Benchmark the batch probe under a real CPU memory cap (RLIMIT_DATA) against an oracle and two descents.
+"""Benchmark the batch probe under a real memory cap against an oracle and two descents.
+
+The cap is RLIMIT_DATA on CPU (`--device cpu`, tiny test models) or CUDA's per-process memory fraction
+(`--device cuda`, real models; prepared, not yet run on a GPU).
 
 For each configuration (model, input size, budget):
 
@@ -9,13 +12,13 @@ For each configuration (model, input size, budget):
 * timm-style decay: descend the decay grid from 1024 (1024, 768, 512, ...) until a size fits.
 * Accelerate-style: start at 1024 and retry at int(0.9 x size) until a size fits.
 
-All searches use the same trial (one warm-up and one timed training update in a forked process), so the table
+All searches use the same trial (one warm-up and one timed training update, forked on CPU), so the table
 compares search strategies: trials and wall time side by side, and whether the probe is within one grid step of
 the oracle with at most ceil(log2(found / start)) + 4 trials. `--throughput` adds a full timed sweep of the fitting
 grid sizes and checks that `--select throughput` picks a size within 5% of the sweep's best samples/s.
 
-On CPU one size's speed differs between processes by up to ~5% (heap layout; the same in every round of one
-process, different in the next process), as much as the tolerance. So the reference is not one process: the sweep
+On CPU one size's speed differs between processes by a median of 3-9% (the same in every round of one process,
+different in the next process), as much as the tolerance. So the reference is not one process: the sweep
 runs without a cap (the cap decides what fits, not how fast it runs) in `--sweep-procs` fresh processes, each timing
 every size in `--sweep-rounds` interleaved rounds; a size's reference speed is the mean of its per-process medians.
 The throughput probe itself runs `--throughput-runs` times, each in a fresh process, alternating with the sweep
@@ -24,6 +27,7 @@ processes, and every choice it makes is checked.
     python bench/bench_probe.py                # all configurations, ~5 minutes on 2 cores
     python bench/bench_probe.py --quick        # one configuration
     python bench/bench_probe.py --throughput --throughput-runs 5   # and the throughput check, ~15 minutes
+    python bench/bench_probe.py --device cuda --quick --throughput  # the same judged on a GPU
 Results are printed and saved to bench/results/bench_probe.json.
 """
 import argparse
@@ -40,43 +44,54 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CONFIGS = [
-    # (name, train.py flags, budget)
+    # (name, train.py flags, budget): CPU, under RLIMIT_DATA
     ('test_vit 64px adamw', ['--model', 'test_vit', '--model-kwargs', 'img_size=64', '--img-size', '64',
                              '--opt', 'adamw'], '96MiB'),
     ('test_resnet 64px sgd', ['--model', 'test_resnet', '--img-size', '64'], '160MiB'),
     ('test_convnext 64px sgd+ema', ['--model', 'test_convnext', '--img-size', '64', '--model-ema'], '128MiB'),
+]
+CUDA_CONFIGS = [
+    # CUDA, under a per-process memory fraction (prepared for a GPU session; not yet run)
+    ('resnet50 224px sgd amp', ['--model', 'resnet50', '--img-size', '224', '--amp'], '8GiB'),
+    ('vit_small_patch16_224 adamw amp', ['--model', 'vit_small_patch16_224', '--opt', 'adamw', '--amp'], '8GiB'),
 ]
 START = 2
 DESCENT_START = 1024
 
 
 def setup_trial(flags):
+    """train.py's arguments for `flags` (which name the device; 10 classes) and the training trial built from them."""
     import torch
     from timm_ext.distributed import init_device
     from timm_ext.probe_train import build_train_trial
     from timm_ext.train_args import parse_args
     torch.set_num_threads(1)
-    args, _ = parse_args([*flags, '--device', 'cpu', '--num-classes', '10'])
+    args, _ = parse_args([*flags, '--num-classes', '10'])
     return build_train_trial(args, init_device(args))
+
+
+def capped_trial(setup, cap, timed_steps=1):
+    """The probe's trial under `cap`: one warm-up and `timed_steps` timed updates, forked on CPU."""
+    from timm_ext.memory import PeakMeter
+    from timm_ext.probe import measured_trial
+    return measured_trial(setup.step, setup.device, PeakMeter(setup.device, cap.baseline), warmup_steps=1,
+                          timed_steps=timed_steps, capped=True, before=setup.reset,
+                          isolate=setup.device.type == 'cpu')
 
 
 def worker_oracle(flags, budget, size):
     """One grid size in this fresh process: cap, one trial (warm-up + timed update), report."""
-    from timm_ext.memory import PeakMeter, memory_cap, parse_budget
-    from timm_ext.probe import measured_trial
+    from timm_ext.memory import memory_cap, parse_budget
     setup = setup_trial(flags)
-    budget_bytes = parse_budget(budget).resolve('cpu')
-    with memory_cap('cpu', budget_bytes) as cap:
-        trial = measured_trial(setup.step, setup.device, PeakMeter('cpu', cap.baseline), warmup_steps=1,
-                               capped=True, before=setup.reset, isolate=True)(size)
+    with memory_cap(setup.device, parse_budget(budget).resolve(setup.device)) as cap:
+        trial = capped_trial(setup, cap)(size)
     print(json.dumps(trial.to_dict()))
 
 
 def worker_search(flags, budget, method, select='max', timed_steps=1):
     """One search strategy in this fresh process; reports found size, trials and search wall time."""
     from timm_ext.batch_decay import batch_descent
-    from timm_ext.memory import PeakMeter, memory_cap, parse_budget
-    from timm_ext.probe import measured_trial
+    from timm_ext.memory import memory_cap, parse_budget
     from timm_ext.probe_train import probe_train_batch
     setup = setup_trial(flags)
     budget = parse_budget(budget)
@@ -86,11 +101,9 @@ def worker_search(flags, budget, method, select='max', timed_steps=1):
                                 timed_steps=timed_steps)
         found, trials = out.selection.batch_size, out.trials
     else:
-        budget_bytes = budget.resolve('cpu')
         trials = []
-        with memory_cap('cpu', budget_bytes) as cap:
-            trial = measured_trial(setup.step, setup.device, PeakMeter('cpu', cap.baseline), warmup_steps=1,
-                                   capped=True, before=setup.reset, isolate=True)
+        with memory_cap(setup.device, budget.resolve(setup.device)) as cap:
+            trial = capped_trial(setup, cap)
             size, found = DESCENT_START, None
             sizes = iter(batch_descent(DESCENT_START)) if method == 'decay' else None
             while found is None and size >= 1:
@@ -109,10 +122,11 @@ def worker_search(flags, budget, method, select='max', timed_steps=1):
 
 def worker_sweep(flags, sizes, rounds):
     """Time every given size in `rounds` interleaved rounds (all sizes once per round), in one process, uncapped, with
-    the probe's trial (forked, one warm-up and three timed updates); reports each size's samples/s per round."""
+    the probe's trial (one warm-up and three timed updates, forked on CPU); reports each size's samples/s per round."""
     from timm_ext.probe import measured_trial
     setup = setup_trial(flags)
-    trial = measured_trial(setup.step, setup.device, warmup_steps=1, timed_steps=3, before=setup.reset, isolate=True)
+    trial = measured_trial(setup.step, setup.device, warmup_steps=1, timed_steps=3, before=setup.reset,
+                           isolate=setup.device.type == 'cpu')
     timings = {size: [] for size in sizes}
     for _ in range(rounds):
         for size in sizes:
@@ -193,6 +207,8 @@ def throughput_check(flags, budget, true_fit, opts):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--quick', action='store_true', help='only the first configuration')
+    parser.add_argument('--device', default='cpu', choices=('cpu', 'cuda'),
+                        help='cpu: tiny test models under RLIMIT_DATA; cuda: real models under a memory fraction')
     parser.add_argument('--throughput', action='store_true', help='also check --select throughput on a full sweep')
     parser.add_argument('--sweep-rounds', type=int, default=2, metavar='N',
                         help='interleaved timing rounds in each sweep process; each size counts its median')
@@ -208,8 +224,11 @@ def main():
         return
 
     rows = []
-    for name, flags, budget in CONFIGS[:1] if opts.quick else CONFIGS:
-        print(f'== {name}, budget {budget} (RLIMIT_DATA)', flush=True)
+    configs = CUDA_CONFIGS if opts.device == 'cuda' else CONFIGS
+    for name, model_flags, budget in configs[:1] if opts.quick else configs:
+        flags = [*model_flags, '--device', opts.device]
+        cap_kind = 'memory fraction' if opts.device == 'cuda' else 'RLIMIT_DATA'
+        print(f'== {name}, budget {budget} ({cap_kind})', flush=True)
         true_fit, table = oracle(flags, budget)
         print(f'   oracle (fresh process per grid size): largest fit {true_fit}  {table}', flush=True)
         row = {'config': name, 'budget': budget, 'oracle': true_fit, 'oracle_table': table}
