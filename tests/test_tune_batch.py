@@ -159,7 +159,6 @@ def test_select_throughput_retimes_and_explains_its_choice(tmp_path, image_folde
     assert any('[re-timing 2]' in line for line in lines), 'the close sizes are timed again in interleaved rounds'
     report = next(line for line in result.stdout.splitlines() if 'select throughput: micro-batch' in line)
     assert 'smallest batch within 50%' in report or 'the best throughput measured' in report
-    assert 'Note: timings of one batch size' not in result.stdout  # rounds agree far better than 50%
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:
