@@ -32,7 +32,6 @@ from common import loop_bench_parser, sync, synthetic_batches, write_result  # n
 ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'oom_recover': True}}
 
 
-
 def main() -> None:
     parser = loop_bench_parser(__doc__.split('\n\n')[0], batches=16, accum=4, repeats=11,
                                output=str(REPO / 'bench' / 'results' / 'noise_scale_overhead.json'))

@@ -40,7 +40,6 @@ def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
         optimizer.step()
 
 
-
 def main() -> None:
     parser = loop_bench_parser(__doc__.split('\n\n')[0], batches=8, accum=1, repeats=15,
                                output=str(REPO / 'bench' / 'results' / 'train_overhead.json'))
