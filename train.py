@@ -50,10 +50,11 @@ except ImportError:
 _logger = logging.getLogger('train')
 
 
-def main() -> int:
-    utils.setup_default_logging()
-    args, args_text = parse_args()
-    prog = os.path.basename(sys.argv[0])
+def main(argv=None, prog: str = 'train.py') -> int:
+    """Train from a command line (default `sys.argv[1:]`); tune_batch.py calls this in-process after probing."""
+    if not logging.getLogger().handlers:  # a caller that set up logging keeps its handler (no doubled lines)
+        utils.setup_default_logging()
+    args, args_text = parse_args(argv)
     try:
         check_arg_combinations(args)
         return train(args, args_text)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Find the largest batch that fits, plan accumulation and the LR, write a train.py config, and train.
+"""Choose the batch that reaches the recipe's result soonest, plan accumulation and LR, write a config, and train.
 
     python tune_batch.py --data-dir /data/imagenet --model resnet50 --amp --mem-budget 0.9
     python tune_batch.py -c recipe.yaml --target-global-batch 4096 --nproc 8 --dry-run
@@ -7,28 +7,44 @@
 Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
 largest micro-batch under the memory budget with real training steps (`timm_ext.probe_train`), plan accumulation
 for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML config that train.py (ours or stock)
-reads with `-c`, print a report and the train command, then run it unless `--dry-run`. With `--nproc N` the probe
-runs on N ranks under torchrun (each rank probes; they agree on the smallest) and training is launched through
-distributed_train.sh. With `--select critical` a short warm-up of the run at the probed micro-batch estimates the
-gradient noise scale, and the global batch nearest to it is planned instead (`timm_ext.critical_batch`).
+reads with `-c`, print a report and the train command, then train (in this process) unless `--dry-run`. With
+`--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest) and training is
+launched through distributed_train.sh.
+
+The global batch is an optimisation choice, not a memory one (`--select auto`, the default): a global batch the
+recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a bigger one is chosen only when the
+run is long enough to pay for measuring the gradient noise scale (`timm_ext.critical_batch`) and the bigger batch is
+predicted to reach the recipe's result clearly sooner, the run lengthened to match (`timm_ext.batch_choice`).
 """
 import argparse
 import copy
+import importlib.util
 import logging
+import math
 import os
 import subprocess
 import sys
-from typing import List, Optional
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from timm import utils
 from timm.models import safe_model_name
 
+from timm_ext.batch_choice import (
+    MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
+    scaled_schedule, speeds_by_micro_batch, tuning_pays, updates_per_epoch,
+)
 from timm_ext.checkpoint import atomic_text
-from timm_ext.critical_batch import DEFAULT_WARMUP_UPDATES, measure_noise_scale, plan_critical
+from timm_ext.critical_batch import (
+    ESTIMATE_ACCUM, ESTIMATE_MICRO_BATCH, ESTIMATE_WINDOWS, estimate_samples, measure_noise_scale,
+)
 from timm_ext.distributed import DeviceError, init_device
-from timm_ext.memory import BudgetError, MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
+from timm_ext.memory import (
+    BudgetError, MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
+)
 from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.probe import (
     SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, format_table, format_trial,
@@ -38,9 +54,12 @@ from timm_ext.probe_cache import ProbeCache, probe_key
 from timm_ext.probe_train import (
     ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
 )
-from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, parse_args
+from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, given_dests, parse_args
 from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations
-from timm_ext.tune_plan import config_values, extension_flags, plan_run, shell_line, train_command, tuned_config_text
+from timm_ext.tune_plan import (
+    RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
+    tuned_config_text,
+)
 
 _logger = logging.getLogger('tune_batch')
 
@@ -48,6 +67,8 @@ TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
 RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes (see select_batch_size)
+SEARCH_TRIALS = 6  # trials a search above the recipe's micro-batch takes, for judging whether it pays
+SELECTIONS = ('auto', 'critical') + SELECT_MODES
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -60,12 +81,13 @@ def build_tune_parser() -> argparse.ArgumentParser:
                             "on CPU, memory above what the process holds when probing starts (default: all)")
     group.add_argument('--mem-headroom', type=float, default=0.1, metavar='FRAC',
                        help='fraction of the budget the chosen batch leaves free, judged on measured peak memory')
-    group.add_argument('--select', default='max', choices=SELECT_MODES + ('critical',),
-                       help='max: largest batch that fits; throughput: smallest batch within --throughput-tol of '
-                            'the best samples/s measured; critical: a short warm-up at the largest micro-batch '
-                            'estimates the gradient noise scale B_simple, and the global batch nearest it is planned')
-    group.add_argument('--critical-updates', type=int, default=DEFAULT_WARMUP_UPDATES, metavar='N',
-                       help='warm-up updates that estimate B_simple (--select critical)')
+    group.add_argument('--select', default='auto', choices=SELECTIONS,
+                       help="auto: keep the recipe's global batch (-b x ranks x --grad-accum-steps, or "
+                            "--target-global-batch) at its fastest split; when the recipe sets none, a bigger one "
+                            "only if the run is long enough to measure the noise scale and a bigger batch is predicted "
+                            "to reach the result clearly sooner (the run lengthened to match). critical: judge a "
+                            "bigger global batch that way even when the recipe sets one. max: the largest micro-batch "
+                            "that fits. throughput: the fastest micro-batch for the recipe's global batch")
     group.add_argument('--throughput-tol', type=float, default=0.05, metavar='FRAC',
                        help='how far below the best samples/s still counts as best (--select throughput)')
     group.add_argument('--batch-multiple', type=int, default=None, metavar='N',
@@ -97,7 +119,7 @@ def _group_dests(parser: argparse.ArgumentParser, title: str) -> List[str]:
 def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for dest, flag in (('batch_multiple', '--batch-multiple'), ('max_batch', '--max-batch'),
                        ('probe_start', '--probe-start'), ('target_global_batch', '--target-global-batch'),
-                       ('nproc', '--nproc'), ('critical_updates', '--critical-updates')):
+                       ('nproc', '--nproc')):
         value = getattr(args, dest)
         if value is not None and value < 1:
             parser.error(f'argument {flag}: must be a positive integer, got {value}')
@@ -118,12 +140,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_tune_parser()
     args, _ = parse_args(argv, parser=parser)
     _check_tune_args(parser, args)
+    given = given_dests(argv, parser)
     if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
         return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
     prog = parser.prog
     try:
         check_arg_combinations(args)
-        return tune(parser, args)
+        return tune(parser, args, given)
     except (UsageError, BudgetError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 2
@@ -160,19 +183,35 @@ def default_config_path(args: argparse.Namespace) -> str:
     return os.path.join('output', 'tune', f'{safe_model_name(args.model)}-{size}.yaml')
 
 
-def probe_or_reuse(args: argparse.Namespace, setup: TrainTrialSetup, device: torch.device, budget: MemoryBudget,
-                   budget_bytes: int, grid: BatchGrid, probe_select: str, world_size: int, max_batch: int,
-                   trials_path: str) -> ProbeOutcome:
+@dataclass
+class ProbeRequest:
+    """What every probe of one tune_batch.py run shares: the run's trial, the device and budget, where to report."""
+    args: argparse.Namespace
+    setup: TrainTrialSetup
+    device: torch.device
+    budget: MemoryBudget
+    budget_bytes: int
+    grid: BatchGrid
+    world_size: int
+    trials_path: str
+
+    def run(self, select: str, max_batch: int, start: Optional[int] = None) -> ProbeOutcome:
+        return probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
+
+
+def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, start: int) -> ProbeOutcome:
     """The probe's outcome for this request: from the cache when an identical one was probed, else probed now.
 
-    Trials are printed live (rank 0) and the table is kept up to date at `trials_path` while probing.
+    Trials are printed live (rank 0) and the table is kept up to date at `request.trials_path` while probing.
     """
+    args, setup, device, budget_bytes = request.args, request.setup, request.device, request.budget_bytes
     primary = args.rank == 0
-    settings = dict(budget=budget_bytes, headroom=args.mem_headroom, grid=repr(grid), start=args.probe_start,
+    settings = dict(budget=budget_bytes, headroom=args.mem_headroom, grid=repr(request.grid), start=start,
                     max_batch=max_batch, timed_steps=TIMED_STEPS)
     if probe_select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
         settings.update(retime_rounds=RETIME_ROUNDS, throughput_tol=args.throughput_tol)
-    key = probe_key(args, setup.input_size, device_name(device), physical_memory(device), world_size, settings)
+    key = probe_key(args, setup.input_size, device_name(device), physical_memory(device), request.world_size,
+                    settings)
     cache = ProbeCache()
     cached = None if args.no_cache else cache.get(key)
     if args.distributed:  # rank 0's cache decides for all, so every rank takes the same path
@@ -188,74 +227,162 @@ def probe_or_reuse(args: argparse.Namespace, setup: TrainTrialSetup, device: tor
             selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
         except NothingFitsError as e:
             raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
-        outcome = ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
-    else:
-        if primary:
-            print(f'Probe: {setup.describe}; budget {format_bytes(budget_bytes)} ({budget}) on '
-                  f'{device_name(device)}, headroom {args.mem_headroom:.0%}, sizes {args.probe_start}..{max_batch}.')
-            os.makedirs(os.path.dirname(os.path.abspath(trials_path)), exist_ok=True)
-        table = []
+        return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+    if primary:
+        sizes = f'size {start}' if start >= max_batch else f'sizes {start}..{max_batch}'
+        print(f'Probe: {setup.describe}; budget {format_bytes(budget_bytes)} ({request.budget}) on '
+              f'{device_name(device)}, headroom {args.mem_headroom:.0%}, {sizes}.')
+        os.makedirs(os.path.dirname(os.path.abspath(request.trials_path)), exist_ok=True)
+    table = []
 
-        def on_trial(trial):
-            table.append(trial)
-            if primary:
-                print('  ' + format_trial(trial, budget_bytes), flush=True)
-                atomic_text(trials_to_json(table, request=key, complete=False), trials_path)
-
-        try:
-            outcome = probe_train_batch(setup, budget, args.mem_headroom, probe_select, args.throughput_tol,
-                                        args.probe_start, max_batch, grid, TIMED_STEPS, on_trial, RETIME_ROUNDS)
-        except NothingFitsError as e:
-            raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
+    def on_trial(trial):
+        table.append(trial)
         if primary:
-            cache_file = cache.put(key, outcome.trials) if not args.no_cache else None
-            atomic_text(trials_to_json(outcome.trials, request=key, complete=True), trials_path)
-            if cache_file:
-                print(f'Probe: {len(outcome.trials)} trials; cached in {cache_file}; table in {trials_path}.')
+            print('  ' + format_trial(trial, budget_bytes), flush=True)
+            atomic_text(trials_to_json(table, request=key, complete=False), request.trials_path)
+
+    try:
+        outcome = probe_train_batch(setup, request.budget, args.mem_headroom, probe_select, args.throughput_tol,
+                                    start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS)
+    except NothingFitsError as e:
+        raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
+    if primary:
+        cache_file = cache.put(key, outcome.trials) if not args.no_cache else None
+        atomic_text(trials_to_json(outcome.trials, request=key, complete=True), request.trials_path)
+        if cache_file:
+            print(f'Probe: {len(outcome.trials)} trials; cached in {cache_file}; table in {request.trials_path}.')
     return outcome
 
 
-def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+@dataclass
+class TunedRun:
+    """What tuning decided: the probe behind the micro-batch, the plan, the schedule changes and the report."""
+    outcome: ProbeOutcome
+    plan: RunPlan
+    schedule: Dict[str, Any] = field(default_factory=dict)
+    lines: List[str] = field(default_factory=list)
+    noise: Optional[NoiseEstimate] = None
+    choice: Optional[GlobalBatchChoice] = None
+
+
+def recipe_global_batch(args: argparse.Namespace, given: Set[str], world_size: int) -> Tuple[int, str]:
+    """The recipe's global batch, and what set it ('' when nothing did: stock's default -b 128)."""
+    if args.target_global_batch:
+        return args.target_global_batch, '--target-global-batch'
+    flags = [flag for dest, flag in (('batch_size', '-b/--batch-size'), ('grad_accum_steps', '--grad-accum-steps'))
+             if dest in given]
+    return args.batch_size * world_size * args.grad_accum_steps, ' and '.join(flags)
+
+
+def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train_samples: int,
+                   max_batch: int) -> TunedRun:
+    """--select auto / critical: the recipe's global batch at its fastest split, and a bigger one only when the run is
+    long enough to pay for measuring it and it is predicted to reach the recipe's result clearly sooner."""
+    args, world_size = request.args, request.world_size
+    needed = math.ceil(recipe_global / world_size)
+    limit = min(max_batch, needed)
+    started = time.perf_counter()
+    outcome = request.run('max', limit, start=limit)  # one trial when the recipe fits, a probe down when not
+    trial_s = time.perf_counter() - started
+    plan = plan_run(args, outcome.selection.batch_size, world_size, recipe_global)
+    who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
+    one_batch = plan.accum_steps == 1
+    if one_batch:
+        how = f'fits as one batch of {plan.micro_batch} per rank: one trial, nothing to search for it.'
+    else:
+        why = (f'the training split holds only {max_batch} samples per rank' if max_batch < needed else
+               f'a batch of {needed} per rank does not fit')
+        how = f'is built from micro-batches of {plan.micro_batch} x {plan.accum_steps} accumulation: {why}.'
+    lines = [f'The recipe\'s global batch {recipe_global} ({who}) {how}']
+    if args.select == 'auto' and set_by:
+        lines.append('Kept it exactly: --select auto chooses only the micro-batch and accumulation of a global batch '
+                     'the recipe sets (--select critical would judge a bigger one).')
+        return TunedRun(outcome, plan, lines=lines)
+    speed = outcome.selection.trial.samples_per_s or 0.0
+    run_s = args.epochs * train_samples / speed if speed else math.inf
+    estimate_micro = min(plan.micro_batch, ESTIMATE_MICRO_BATCH)
+    cost_s = SEARCH_TRIALS * trial_s + 2 * estimate_samples(estimate_micro, world_size) / max(speed, 1e-9)
+    if not one_batch:
+        lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept the recipe\'s.')
+        return TunedRun(outcome, plan, lines=lines)
+    if args.select == 'auto' and not tuning_pays(run_s, cost_s):
+        lines.append(f'Kept it: the run is predicted at ~{run_s:.0f} s of training compute ({speed:.0f} samples/s '
+                     f'measured), and judging a bigger batch would cost ~{cost_s:.0f} s, more than '
+                     f'{MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
+        return TunedRun(outcome, plan, lines=lines)
+
+    searched = request.run('max', max_batch, start=plan.micro_batch)
+    if args.rank == 0:
+        print(f'Noise scale: {ESTIMATE_WINDOWS} windows of {ESTIMATE_ACCUM} x {estimate_micro} on the real data.',
+              flush=True)
+    noise = measure_noise_scale(args, request.device, estimate_micro)
+    speeds = speeds_by_micro_batch(searched.trials)
+    speeds.setdefault(plan.micro_batch, speed)
+    choice = choose_global_batch((plan.micro_batch, plan.accum_steps), speeds, world_size, train_samples,
+                                 args.epochs, noise)
+    chosen = choice.chosen
+    if choice.changed:
+        plan = plan_global_batch(args, chosen.micro_batch, chosen.accum_steps, world_size, recipe_global)
+    spent = time.perf_counter() - started
+    lines += [f'Noise scale: {noise.describe()}.', 'Global batches considered (predicted time to the recipe\'s '
+              'result):', format_candidates(choice), f'Choice: {choice.reason}.',
+              f'Tuning cost {spent:.1f} s, {spent / max(chosen.predicted_s, 1e-9):.1%} of the predicted run.']
+    schedule = scaled_schedule(vars(args), args.epochs, chosen.epochs)
+    return TunedRun(searched, plan, schedule, lines, noise, choice)
+
+
+def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str], device: torch.device,
+                   world_size: int, config_path: str) -> TunedRun:
+    """Probe and decide: the micro-batch, accumulation, global batch, LR and schedule of the run (no training).
+
+    Everything the probe built (model, optimizer, trial closures) is local to this call, so it is released when
+    the call returns, before training starts on the same device.
+    """
+    budget = parse_budget(args.mem_budget or '1.0')
+    grid = MultipleGrid(args.batch_multiple) if args.batch_multiple else DecayGrid()
+    setup = build_train_trial(args, device)
+    dataset_train, _ = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
+    train_samples = len(dataset_train)
+    max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
+    if max_batch < 1:
+        raise SetupError(f'the training split has fewer samples ({train_samples}) than ranks ({world_size})')
+    request = ProbeRequest(args, setup, device, budget, budget.resolve(device), grid, world_size,
+                           os.path.splitext(config_path)[0] + '.trials.json')
+    recipe_global, set_by = recipe_global_batch(args, given, world_size)
+    if args.select == 'max':
+        outcome = request.run('max', max_batch)
+        tuned = TunedRun(outcome, plan_run(args, outcome.selection.batch_size, world_size, args.target_global_batch))
+    elif args.select == 'throughput':
+        outcome = request.run('throughput', min(max_batch, math.ceil(recipe_global / world_size)))
+        tuned = TunedRun(outcome, plan_run(args, outcome.selection.batch_size, world_size, recipe_global), lines=[
+            f'--select throughput chose the micro-batch for the recipe\'s global batch {recipe_global}; it never '
+            f'makes the global batch bigger.'])
+    else:
+        tuned = choose_by_time(request, recipe_global, set_by, train_samples, max_batch)
+    epochs = tuned.schedule.get('epochs', args.epochs)
+    updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
+    tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]
+    return tuned
+
+
+def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
     train_args = copy.deepcopy(args)  # as parsed: what the config describes (init_device adds runtime fields)
     device = init_device(args)
     world_size = args.world_size if args.distributed else args.nproc
     primary = args.rank == 0
-    budget = parse_budget(args.mem_budget or '1.0')
-    grid = MultipleGrid(args.batch_multiple) if args.batch_multiple else DecayGrid()
     config_path = args.tuned_config or default_config_path(args)
-    probe_select = 'max' if args.select == 'critical' else args.select  # critical starts from the memory maximum
-    trials_path = os.path.splitext(config_path)[0] + '.trials.json'
+    tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
+    free_memory(device)
 
-    setup = build_train_trial(args, device)
-    dataset_train, _ = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
-    limits = [len(dataset_train) // max(world_size, 1)]
-    if args.max_batch:
-        limits.append(args.max_batch)
-    max_batch = min(limits)
-    if max_batch < 1:
-        raise SetupError(f'the training split has fewer samples ({len(dataset_train)}) than ranks ({world_size})')
-
-    budget_bytes = budget.resolve(device)
-    outcome = probe_or_reuse(args, setup, device, budget, budget_bytes, grid, probe_select, world_size, max_batch,
-                             trials_path)
-
-    plan = plan_run(args, outcome.selection.batch_size, world_size, args.target_global_batch)
-    critical_lines = []
-    if args.select == 'critical':
-        if primary:
-            print(f'Critical batch: {args.critical_updates} warm-up updates at micro-batch '
-                  f'{outcome.selection.batch_size} x accumulation 4 to estimate B_simple.', flush=True)
-        estimate = measure_noise_scale(args, device, outcome.selection.batch_size, args.critical_updates)
-        plan, critical_lines = plan_critical(args, estimate, outcome.selection.batch_size, world_size)
     train_dests = [d for d in parser_dests(parser) if d not in _group_dests(parser, TUNE_GROUP)]
     extension_dests = _group_dests(parser, EXTENSIONS_GROUP)
     stock_dests = [d for d in train_dests if d not in extension_dests]
-    values = config_values(train_args, parser, stock_dests, plan)
+    values = {**config_values(train_args, parser, stock_dests, tuned.plan), **tuned.schedule}
     extras = extension_flags(train_args, parser, extension_dests)
     command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras)
-    report = report_lines(outcome, plan, args, budget_bytes, extras) + critical_lines
+    report = report_lines(tuned, args, extras)
     if primary:
-        print('\n'.join(['', 'Trials:', format_table(outcome.trials, budget_bytes), ''] + report))
+        print('\n'.join(['', 'Trials:', format_table(tuned.outcome.trials, tuned.outcome.budget), ''] + report))
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
         atomic_text(tuned_config_text(values, report + ['', 'Train with: ' + shell_line(command)]), config_path)
         print(f'Config: {config_path}')
@@ -268,32 +395,45 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return 0
-    return subprocess.call(command)
+    # train here: the imports are paid once, and nothing of the probe is alive any more (see plan_tuned_run)
+    return load_train_script().main(command[2:])
+
+
+def load_train_script():
+    """train.py (beside this script) as a module."""
+    spec = importlib.util.spec_from_file_location('train', os.path.join(SCRIPT_DIR, 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parser_dests(parser: argparse.ArgumentParser) -> List[str]:
     return [a.dest for a in parser._actions if a.dest not in (argparse.SUPPRESS, 'help', 'config')]
 
 
-def report_lines(outcome: ProbeOutcome, plan, args: argparse.Namespace, budget_bytes: int,
-                 extras: List[str]) -> List[str]:
-    """The short report: probe choice, accumulation, global batch, LR and why (also the config's header)."""
+def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -> List[str]:
+    """The report: probe choice, the global-batch decision, accumulation, LR and why (also the config's header)."""
+    outcome, plan = tuned.outcome, tuned.plan
     sel = outcome.selection
     lines = [
         f'tune_batch.py: {outcome.describe}',
-        f'Budget {format_bytes(budget_bytes)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}, '
+        f'Budget {format_bytes(outcome.budget)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}, '
         f'select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
         f'{format_bytes(sel.trial.peak_bytes)}).',
     ]
     if sel.caveat:
         lines.append(f'Note: {sel.caveat}.')
+    lines += tuned.lines
     if plan.micro_batch != sel.batch_size:
-        lines.append(f'Micro-batch {plan.micro_batch} used (<= {sel.batch_size}) to split the global batch exactly.')
+        lines.append(f'Micro-batch {plan.micro_batch} used to build the global batch.')
     lines += [
         f'Accumulation {plan.accum_steps}, {plan.world_size} rank(s): global batch {plan.global_batch} = '
         f'{plan.micro_batch} x {plan.world_size} x {plan.accum_steps}. {plan.reason}',
         f'LR {plan.lr:g} ({plan.lr_rule or "given"}): {plan.lr_reason}',
     ]
+    if tuned.schedule:
+        changes = ', '.join(f'{key} {value}' for key, value in sorted(tuned.schedule.items()))
+        lines.append(f'Schedule lengthened to match: {changes}')
     if extras:
         lines.append(f'Extension flags (our train.py only, on the command line): {" ".join(extras)}')
     return lines

@@ -15,6 +15,7 @@ from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, parse_args
 from timm_ext.tune_plan import config_values, extension_flags, plan_run, tuned_config_text
 
 from conftest import REPO_ROOT, run_script
+from timm_ext.synthetic_data import make_image_folder
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
 
@@ -249,3 +250,86 @@ def test_tune_then_train_then_validate(tmp_path, image_folder):
                            '-j', '0', '--results-file', tmp_path / 'results.csv', cwd=tmp_path)
     assert validated.returncode == 0, validated.stderr[-3000:]
     assert 'top1' in (tmp_path / 'results.csv').read_text()
+
+
+# ---- the recipe's global batch is the user's intent (--select auto) -----------------------------------------------
+
+def report_of(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def planned(config: Path) -> tuple:
+    values = yaml.safe_load(config.read_text())
+    return values['batch_size'], values.get('grad_accum_steps', 1)
+
+
+@pytest.mark.parametrize('batch_flags, global_batch', [
+    (['-b', '16'], 16),
+    (['-b', '4', '--grad-accum-steps', '4'], 16),  # fits as one batch of 16: one trial, no accumulation needed
+    (['--target-global-batch', '12'], 12),
+])
+def test_a_global_batch_set_on_the_command_line_is_kept_with_one_trial(tmp_path, image_folder, batch_flags,
+                                                                      global_batch):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, *batch_flags, '--tuned-config', config, '--dry-run'))
+    assert len(trial_lines(out)) == 1 and 'one trial, nothing to search' in out
+    assert planned(config) == (global_batch, 1) and 'Kept it exactly' in out
+
+
+def test_a_global_batch_set_in_the_yaml_is_kept_and_split_when_it_does_not_fit(tmp_path, image_folder):
+    recipe = tmp_path / 'recipe.yaml'
+    recipe.write_text('batch_size: 24\nopt: adamw\n')
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, '-c', recipe, *BUDGET, '--tuned-config', config, '--dry-run'))
+    micro, accum = planned(config)
+    assert micro * accum == 24 and accum > 1, 'the 48 MiB budget fits 16, not 24: the recipe is built by accumulation'
+    assert 'a batch of 24 per rank does not fit' in out and 'Kept it exactly' in out
+
+
+def test_select_throughput_never_makes_the_global_batch_bigger(tmp_path, image_folder):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, '-b', '8', '--select', 'throughput', '--tuned-config', config,
+                         '--dry-run'))
+    micro, accum = planned(config)
+    assert micro * accum == 8 and all(int(line.split()[1].rstrip(':')) <= 8 for line in trial_lines(out))
+
+
+def test_without_a_set_batch_a_short_run_keeps_stock_default_and_warns(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=48)  # 144 training images: -b 128 fits as one batch
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, data, '--epochs', '2', '--tuned-config', config, '--dry-run'))
+    assert "stock train.py's default -b 128" in out and 'too short for tuning to pay off' in out
+    assert planned(config) == (128, 1) and len(trial_lines(out)) == 1
+    warning = next(line for line in out.splitlines() if line.startswith('Warning:'))
+    assert 'only 2 optimizer updates' in warning and '-b/--batch-size' in warning
+
+
+def test_a_recipe_built_by_accumulation_is_not_made_bigger(tmp_path, image_folder):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, '--epochs', '2', '--tuned-config', config, '--dry-run'))
+    micro, accum = planned(config)
+    assert micro * accum == 128  # stock's default on 24 images: built as 16 x 8, as far as the split allows
+    assert 'the training split holds only 24 samples per rank' in out and 'adds no samples/s' in out
+
+
+def test_select_max_warns_when_the_batch_leaves_few_updates(tmp_path, image_folder):
+    out = report_of(tune(tmp_path, image_folder, '--select', 'max', '--epochs', '8', '--tuned-config',
+                         tmp_path / 't.yaml', '--dry-run'))
+    assert 'Warning: global batch 24 leaves the run only 8 optimizer updates' in out
+
+
+def test_real_digits_tune_then_train_is_well_above_chance(tmp_path):
+    from timm_ext.packaged_data import write_image_folder
+    data = write_image_folder('digits', tmp_path / 'digits')
+    out_dir = tmp_path / 'runs'
+    result = run_script('tune_batch.py', '--data-dir', data, '--model', 'test_resnet', '--num-classes', '10',
+                        '--img-size', '32', '--device', 'cpu', '-j', '0', '-b', '32', '--epochs', '4',
+                        '--opt', 'sgd', '--sched', 'cosine', '--lr-base', '0.4', '--warmup-epochs', '1',
+                        '--output', out_dir, '--experiment', 'digits', '--tuned-config', tmp_path / 't.yaml',
+                        env={'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}, cwd=tmp_path, timeout=600)
+    out = report_of(result)
+    assert 'Kept it exactly' in out and len(trial_lines(out)) == 1
+    rows = (out_dir / 'digits' / 'summary.csv').read_text().splitlines()[1:]
+    best = max(float(row.split(',')[3]) for row in rows)
+    assert best > 50, f'10 classes: chance is 10%, got best top-1 {best}'

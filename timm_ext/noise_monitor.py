@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint import atomic_text
 from .distributed import reduce_mean
-from .noise_scale import NoiseScaleEstimator, grads_of, squared_norm
+from .noise_scale import NoiseScaleEstimator, grads_of, squared_norm, two_batch_estimates
 
 __all__ = ['NoiseScaleMonitor', 'NoiseScaleSummary', 'write_noise_scale_row', 'noise_scale_problem', 'CSV_FIELDS']
 
@@ -69,6 +69,8 @@ class NoiseScaleMonitor:
         self.params = [p for p in params if p.requires_grad]
         self.world_size = world_size
         self.estimator = NoiseScaleEstimator(ema_decay)
+        # per window: the mean (|G|², tr(Σ)) of its pairs, as device tensors; kept only on request (`keep_windows`)
+        self.windows: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         self._parts: List[torch.Tensor] = []  # norms of the current backward's parameter gradients
         self._micro: List[Tuple[torch.Tensor, int, float]] = []  # (squared norm, samples, loss weight)
         self._handles = [p.register_hook(self._note_grad) for p in self.params]
@@ -76,6 +78,10 @@ class NoiseScaleMonitor:
     def _note_grad(self, grad: torch.Tensor) -> None:
         # the gradient this backward adds for one parameter, before it is accumulated (and before DDP averages it)
         self._parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+
+    def keep_windows(self) -> None:
+        """Also keep each window's own estimate in `windows`, for a spread (tune_batch's short measurement)."""
+        self.windows = []
 
     def before_backward(self) -> None:
         self._parts = []  # drop anything another backward (e.g. inside an optimizer step) left
@@ -106,8 +112,13 @@ class NoiseScaleMonitor:
         if check_finite and not torch.isfinite(big_sq).item():
             return
         amp_sq = float(amp_scale) ** 2
+        big_samples = window_samples * self.world_size
         for sq, samples, weight in micro:
-            self.estimator.update(sq / (amp_sq * weight * weight), samples, big_sq, window_samples * self.world_size)
+            self.estimator.update(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
+        if self.windows is not None:
+            pairs = [two_batch_estimates(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
+                     for sq, samples, weight in micro]
+            self.windows.append((sum(p[0] for p in pairs) / len(pairs), sum(p[1] for p in pairs) / len(pairs)))
 
     def close(self) -> None:
         """Remove the parameter hooks."""

@@ -8,11 +8,12 @@ their ratio estimates the critical batch size, beyond which a bigger batch buys 
 stay tensors (no host sync) until read.
 """
 import math
-from typing import Dict, Iterable, List, Tuple, Union
+import random
+from typing import Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ['NoiseScaleEstimator', 'two_batch_estimates', 'grads_of', 'squared_norm']
+__all__ = ['NoiseScaleEstimator', 'two_batch_estimates', 'grads_of', 'squared_norm', 'bootstrap_noise_scale']
 
 Number = Union[float, torch.Tensor]
 
@@ -85,3 +86,32 @@ def grads_of(params: Iterable[torch.nn.Parameter]) -> List[torch.Tensor]:
 def squared_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
     """Sum of squares over all `tensors`, in float32, as a device tensor (no host sync)."""
     return torch.stack([n.float() for n in torch._foreach_norm(tensors)]).pow(2).sum()
+
+
+def bootstrap_noise_scale(windows: Sequence[Tuple[float, float]], rounds: int = 200, seed: int = 0,
+                          quantiles: Tuple[float, float] = (0.1, 0.9)) -> Tuple[float, float, float]:
+    """B_simple from per-window (|G|², tr(Σ)) estimates, with a bootstrap interval over windows.
+
+    The point estimate is the ratio of the means (single |G|² estimates are noisy and can be negative); each
+    bootstrap round resamples whole windows. Rounds whose |G|² mean is not positive count as an unbounded B_simple,
+    so a noisy estimate shows as a wide (or infinite) high end rather than a falsely narrow one.
+
+    Returns:
+        (B_simple, low, high); nan where not positive.
+    """
+    def ratio(rows: Sequence[Tuple[float, float]]) -> float:
+        g_sq = sum(r[0] for r in rows) / len(rows)
+        trace = sum(r[1] for r in rows) / len(rows)
+        if trace <= 0:
+            return math.nan
+        return trace / g_sq if g_sq > 0 else math.inf
+
+    if not windows:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    draws = sorted((ratio([rng.choice(windows) for _ in windows]) for _ in range(rounds)),
+                   key=lambda v: -math.inf if math.isnan(v) else v)  # a non-positive tr(Σ) counts as the lowest
+    pick = lambda q: draws[min(len(draws) - 1, int(q * len(draws)))]
+    point = ratio(windows)
+    positive = lambda v: v if v > 0 and not math.isnan(v) else math.nan
+    return positive(point), positive(pick(quantiles[0])), positive(pick(quantiles[1]))

@@ -23,7 +23,7 @@ from timm.utils import ParseKwargs as _TimmParseKwargs
 
 __all__ = [
     'AMP_DTYPES', 'EXTENSIONS_GROUP', 'LR_BASE_SCALES', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser',
-    'args_to_yaml', 'build_config_parser', 'build_parser', 'config_keys', 'parse_args', 'read_config',
+    'args_to_yaml', 'build_config_parser', 'build_parser', 'config_keys', 'given_dests', 'parse_args', 'read_config',
     'validate_args',
 ]
 
@@ -602,6 +602,16 @@ def _parse_with_defaults(parser: argparse.ArgumentParser, argv: Sequence[str],
         for action, default in saved_action_defaults:
             action.default = default
         parser._defaults = saved_parser_defaults
+
+
+def given_dests(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> set[str]:
+    """Dest names the command line or its `-c/--config` file sets explicitly, whatever the value (call after
+    `parse_args` accepted the same `argv`). Tells a user's `-b 128` from the default 128."""
+    config_args, remaining = build_config_parser(prog=parser.prog).parse_known_args(argv)
+    given = set(read_config(config_args.config)) if config_args.config else set()
+    unset = object()
+    parsed = _parse_with_defaults(parser, remaining, {a.dest: unset for a in parser._actions})
+    return given | {dest for dest, value in vars(parsed).items() if value is not unset}
 
 
 def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ writes a config `train.py -c` reads: only stock train.py keys, so stock timm rea
 the probe's findings go into a comment header, and extension flags onto the command line (`train_command`).
 """
 import argparse
+import dataclasses
 import shlex
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
@@ -15,7 +16,10 @@ import yaml
 from .accum import plan_accumulation
 from .lr import default_lr_scale, rescale_lr, resolve_lr
 
-__all__ = ['RunPlan', 'plan_run', 'config_values', 'tuned_config_text', 'extension_flags', 'train_command']
+__all__ = [
+    'RunPlan', 'plan_run', 'plan_global_batch', 'config_values', 'tuned_config_text', 'extension_flags',
+    'train_command',
+]
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,21 @@ def plan_run(args: argparse.Namespace, max_micro_batch: int, world_size: int,
                    reason, lr_reason)
 
 
+def plan_global_batch(args: argparse.Namespace, micro_batch: int, accum_steps: int, world_size: int,
+                      recipe_global: int) -> RunPlan:
+    """The plan for a global batch chosen instead of the recipe's (`timm_ext.batch_choice`), with its LR: from
+    --lr-base by train.py's rule, or an explicit --lr moved from the recipe's global batch by the run's rule."""
+    global_batch = micro_batch * world_size * accum_steps
+    plan = plan_run(args, micro_batch, world_size, global_batch)
+    if args.lr and global_batch != recipe_global:
+        scale = args.lr_base_scale or default_lr_scale(args.opt)
+        lr = rescale_lr(args.lr, recipe_global, global_batch, scale)
+        plan = dataclasses.replace(plan, lr=lr, lr_to_write=lr, lr_rule=scale, lr_reason=(
+            f'--lr {args.lr:g} was set for the recipe\'s global batch {recipe_global}; rescaled by the {scale} rule '
+            f'to {lr:g} for global batch {global_batch}'))
+    return plan
+
+
 def config_values(args: argparse.Namespace, parser: argparse.ArgumentParser, keys: Sequence[str],
                   plan: RunPlan) -> Dict[str, Any]:
     """The values of `keys` that differ from `parser`'s defaults, with the plan's batch, accumulation and LR.
@@ -113,7 +132,8 @@ def config_values(args: argparse.Namespace, parser: argparse.ArgumentParser, key
 
 def tuned_config_text(values: Dict[str, Any], header: Sequence[str]) -> str:
     """The YAML text: comment lines of `header` (the probe's report, extension settings), then the values."""
-    comments = ''.join(f'# {line}\n' if line else '#\n' for line in header)
+    lines = [line for entry in header for line in entry.split('\n')]  # an entry may be a table of several lines
+    comments = ''.join(f'# {line}\n' if line else '#\n' for line in lines)
     return comments + yaml.safe_dump(values, default_flow_style=False, sort_keys=True)
 
 
