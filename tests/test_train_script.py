@@ -210,7 +210,7 @@ BAD_INPUTS = [
     (['--amp-dtype', 'float8'], 2, 'amp-dtype'),
     (['--model-dtype', 'int8'], 2, 'model-dtype'),
     (['-c', '{bad_yaml}'], 2, 'not valid YAML'),
-    (['--model', 'not_a_model'], 1, 'unknown model'),
+    (['--model', 'not_a_model'], 2, 'timm model name'),
     (['--data-dir', '{missing}'], 1, 'data folder not found'),
     (['--data-dir', '{empty}'], 1, 'cannot read'),
     (['--resume', '{missing}/last.pth.tar'], 1, 'not found'),

@@ -189,8 +189,8 @@ def write_arch_mismatch(tmp_path):
     ('unknown model', 2, "unknown model 'no_such_net'"),
     ('other arch', 1, "saved from 'test_vit': pass --model test_vit"),
     ('corrupt', 1, 'cannot read checkpoint'),
-    ('batch 0', 2, '-b/--batch-size: must be at least 1'),
-    ('xml', 2, "--results-format: 'xml' is not one of"),
+    ('batch 0', 2, '-b/--batch-size: got 0; allowed: a positive integer'),
+    ('xml', 2, "--results-format: got 'xml'; allowed: one of"),
     ('offline', 1, "no pretrained weights for 'test_resnet' in the local cache"),
 ])
 def test_bad_input_is_one_line_with_status(validate_main, capsys, image_folder, tmp_path, hub_offline, case,
