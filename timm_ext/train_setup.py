@@ -21,6 +21,7 @@ from timm.utils import world_info_from_env
 
 from .amp import MODEL_DTYPES
 from .arg_checks import extension_problem, train_input_problem
+from .augment_fixes import patch_posterize
 
 _logger = logging.getLogger('train')
 
@@ -278,6 +279,8 @@ def build_train_loader(
     Raises:
         SetupError: The split holds fewer samples than one batch (every batch would be dropped).
     """
+    if args.aa:
+        patch_posterize()  # timm's increasing posterize reaches 0 bits, which current Pillow refuses
     train_interpolation = args.train_interpolation
     if args.no_aug or not train_interpolation:
         train_interpolation = data_config['interpolation']
