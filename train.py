@@ -29,17 +29,18 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
 from timm_ext import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
+from timm_ext.arg_checks import loss_weighting
 from timm_ext.amp import resolve_amp
 from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
 from timm_ext.lr import resolve_lr
-from timm_ext.noise_monitor import noise_scale_problem, write_noise_scale_row
+from timm_ext.noise_monitor import write_noise_scale_row
 from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import (
     SetupError, UsageError, build_datasets, build_eval_loader, build_model, build_task, build_train_loader,
-    build_train_loss, check_arg_combinations, check_compile_backend, disable_mixup, experiment_name, input_img_mode,
-    resolve_model_dtype,
+    build_train_loss, check_arg_combinations, check_compile_backend, check_inputs, disable_mixup, experiment_name,
+    input_img_mode, resolve_model_dtype,
 )
 
 try:
@@ -57,6 +58,7 @@ def main(argv=None, prog: str = 'train.py') -> int:
     args, args_text = parse_args(argv)
     try:
         check_arg_combinations(args)
+        check_inputs(args)
         return train(args, args_text)
     except UsageError as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
@@ -85,7 +87,6 @@ def train(args, args_text: str) -> int:
 
     device = init_device(args)
     primary = utils.is_primary(args)
-    check_extension_args(args)
     if args.distributed:
         _logger.info(f'Distributed training: process {args.rank} of {args.world_size}, device {args.device}.')
     else:
@@ -301,28 +302,6 @@ def train(args, args_text: str) -> int:
                         reverse=decreasing)
         print(f'--result\n{json.dumps(ranked[-10:], indent=4)}')
     return 0
-
-
-def check_extension_args(args) -> None:
-    """Flags of the OOM recovery and noise scale that cannot work with the rest of the command line."""
-    if args.oom_grow_back is not None and not args.oom_recover:
-        raise UsageError('--oom-grow-back only acts after --oom-recover has shrunk the micro-batch; add --oom-recover')
-    if args.oom_recover and args.aug_splits > 1:
-        raise UsageError('--oom-recover cannot split batches of --aug-splits (the loss ties the augmented copies of '
-                         'each sample together); drop one of them')
-    if args.log_noise_scale:
-        problem = noise_scale_problem(args.grad_accum_steps, args.world_size, loss_weighting(args))
-        if problem:
-            raise UsageError(problem)
-
-
-def loss_weighting(args) -> str:
-    """Micro-batch loss weighting: a true per-sample mean, unless a variable-batch loader asks for timm's modes."""
-    if args.naflex_loader:
-        return args.naflex_loss_scale or 'none'
-    if args.train_img_sizes is not None:
-        return args.variable_batch_loss_scale or 'none'
-    return 'samples'
 
 
 def set_loader_epoch(loader, epoch: int) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from timm import utils
 from timm.models import safe_model_name
 
+from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
 from timm_ext.batch_choice import (
     MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
     scaled_schedule, speeds_by_micro_batch, tuning_pays, updates_per_epoch,
@@ -55,7 +56,7 @@ from timm_ext.probe_train import (
     ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
 )
 from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, given_dests, parse_args
-from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations
+from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations, check_inputs
 from timm_ext.tune_plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
     tuned_config_text,
@@ -117,36 +118,27 @@ def _group_dests(parser: argparse.ArgumentParser, title: str) -> List[str]:
 
 
 def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for dest, flag in (('batch_multiple', '--batch-multiple'), ('max_batch', '--max-batch'),
-                       ('probe_start', '--probe-start'), ('target_global_batch', '--target-global-batch'),
-                       ('nproc', '--nproc')):
-        value = getattr(args, dest)
-        if value is not None and value < 1:
-            parser.error(f'argument {flag}: must be a positive integer, got {value}')
-    if not 0 <= args.mem_headroom < 1:
-        parser.error(f'argument --mem-headroom: must be a fraction in [0, 1), got {args.mem_headroom}')
+    """Rules between tune_batch's flags (each flag's own range is checked by the parser: TUNE_DOMAINS)."""
     if args.select == 'critical' and args.target_global_batch:
         parser.error('argument --select critical: it chooses the global batch itself; drop --target-global-batch')
-    if not 0 <= args.throughput_tol < 1:
-        parser.error(f'argument --throughput-tol: must be a fraction in [0, 1), got {args.throughput_tol}')
-    try:
-        parse_budget(args.mem_budget or '1.0')
-    except BudgetError as e:
-        parser.error(f'argument --mem-budget: {e}')
+    problem = writable_file_problem('--tuned-config', args.tuned_config or default_config_path(args))
+    if problem:
+        parser.error(problem)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     utils.setup_default_logging()
     parser = build_tune_parser()
-    args, _ = parse_args(argv, parser=parser)
+    args, _ = parse_args(argv, parser=parser, domains={**TRAIN_DOMAINS, **TUNE_DOMAINS})
     _check_tune_args(parser, args)
-    given = given_dests(argv, parser)
-    if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
-        return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
     prog = parser.prog
     try:
-        check_arg_combinations(args)
-        return tune(parser, args, given)
+        # everything train.py would refuse, before any probe (ranks under torchrun read the world from the environment)
+        check_arg_combinations(args, world_size=None if 'WORLD_SIZE' in os.environ else args.nproc)
+        check_inputs(args)
+        if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
+            return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
+        return tune(parser, args, given_dests(argv, parser))
     except (UsageError, BudgetError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 2

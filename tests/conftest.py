@@ -10,7 +10,6 @@ import torch
 from timm_ext.synthetic_data import make_image_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DIR = REPO_ROOT.parent / 'shared'
 
 # Two cores are shared by everything in a test run; one intra-op thread per process keeps runs predictable.
 torch.set_num_threads(1)

@@ -1,60 +1,31 @@
 """Tests of timm_ext.train_args: stock flag parity, -c/--config YAML handling, and our argument checks."""
 import argparse
-import json
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 from timm.utils import ParseKwargs as TimmParseKwargs
 
+from conftest import REPO_ROOT
+from stock_spec import group_title, load_spec, spec_mismatches
 from timm_ext.train_args import (
     EXTENSIONS_GROUP, ConfigError, args_to_yaml, build_config_parser, build_parser, config_keys, parse_args,
     read_config,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SPEC_PATH = REPO_ROOT.parent / 'shared' / 'spec' / 'timm_train_args.json'
 EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'log_noise_scale', 'no_safetensors'}
 
 
 @pytest.fixture(scope='module')
 def spec() -> list:
-    if not SPEC_PATH.is_file():
-        pytest.skip(f'stock flag spec not found at {SPEC_PATH}')
-    return json.loads(SPEC_PATH.read_text())
+    return load_spec('train')
 
 
 @pytest.fixture
 def parser() -> argparse.ArgumentParser:
     return build_parser(prog='train.py')
-
-
-def _group_title(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    if action in parser._optionals._group_actions:
-        return 'options'  # argparse's title for it is 'optional arguments' before Python 3.10
-    for group in parser._action_groups:
-        if action in group._group_actions:
-            return group.title
-    raise AssertionError(f'{action.dest} is in no argument group')
-
-
-def _describe(parser: argparse.ArgumentParser, action: argparse.Action) -> dict:
-    """The spec's fields for one of our actions."""
-    return {
-        'flags': list(action.option_strings) or [action.dest],
-        'dest': action.dest,
-        'default': action.default,
-        'type': getattr(action.type, '__name__', None),
-        'nargs': action.nargs,
-        'choices': list(action.choices) if action.choices is not None else None,
-        'const': action.const,
-        'action': type(action).__name__,
-        'group': _group_title(parser, action),
-        'mutually_exclusive': any(action in g._group_actions for g in parser._mutually_exclusive_groups),
-    }
 
 
 def _parse(argv, parser=None):
@@ -72,24 +43,7 @@ def _error_line(capsys) -> str:
 # --- flag parity with stock ---
 
 def test_every_stock_flag_matches_spec(spec, parser):
-    config_parser = build_config_parser()
-    actions = {a.dest: a for a in parser._actions}
-    config_actions = {a.dest: a for a in config_parser._actions}
-    mismatches = []
-    for entry in spec:
-        if entry['parser'] == 'config_parser':
-            ours = _describe(config_parser, config_actions[entry['dest']])
-        elif entry['dest'] not in actions:
-            mismatches.append(f"{entry['dest']}: missing")
-            continue
-        else:
-            ours = _describe(parser, actions[entry['dest']])
-        for field, want in entry.items():
-            if field == 'parser':
-                continue
-            got = ours[field]
-            if got != want or type(got) is not type(want):
-                mismatches.append(f"{entry['dest']}.{field}: stock {want!r}, ours {got!r}")
+    mismatches = spec_mismatches(spec, {'parser': parser, 'config_parser': build_config_parser()})
     assert not mismatches, '\n'.join(mismatches)
     assert len(spec) == 173
 
@@ -103,7 +57,7 @@ def test_only_extensions_added_beyond_stock(spec, parser):
     for action in parser._actions:
         if action.dest in EXTENSION_DESTS:
             assert not set(action.option_strings) & stock_flags
-            assert _group_title(parser, action) == EXTENSIONS_GROUP
+            assert group_title(parser, action) == EXTENSIONS_GROUP
 
 
 def test_parsed_defaults_equal_stock(spec):
@@ -274,8 +228,8 @@ def test_malformed_config_in_subprocess_has_no_traceback(tmp_path):
     (['--batch-size', '-4'], '-b/--batch-size', 'positive integer'),
     (['--grad-accum-steps', '0'], '--grad-accum-steps', 'positive integer'),
     (['-vb', '0'], '-vb/--validation-batch-size', 'positive integer'),
-    (['--lr-base-scale', 'cubic'], '--lr-base-scale', "'linear', 'sqrt' or ''"),
-    (['--amp-dtype', 'fp16'], '--amp-dtype', "'float16' or 'bfloat16'"),
+    (['--lr-base-scale', 'cubic'], '--lr-base-scale', "one of '', 'linear', 'sqrt'"),
+    (['--amp-dtype', 'fp16'], '--amp-dtype', "one of 'float16', 'bfloat16'"),
     (['--oom-grow-back', '0'], '--oom-grow-back', 'positive integer'),
     (['--model-kwargs', 'drop_rate'], '--model-kwargs', 'KEY=VALUE'),
     (['--model-kwargs', 'x={1, 2}'], '--model-kwargs', 'must be a number'),

@@ -187,8 +187,8 @@ def test_budget_larger_than_device_is_an_error(tmp_path, image_folder):
 
 
 @pytest.mark.parametrize('argv, fragment', [
-    (['--mem-budget', '12'], 'has no unit'),
-    (['--mem-budget', '0.5x'], 'unknown unit'),
+    (['--mem-budget', '12'], 'a size with a unit'),
+    (['--mem-budget', '0.5x'], 'a size with a unit'),
     (['--mem-headroom', '1.5'], 'in [0, 1)'),
     (['--batch-multiple', '0'], 'positive integer'),
 ])

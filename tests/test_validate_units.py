@@ -181,8 +181,8 @@ def test_probe_sizes_follow_the_decay_grid_capped_at_the_dataset():
 
 
 @pytest.mark.parametrize('argv,problem', [
-    (['-b', '0'], '-b/--batch-size: must be at least 1'),
-    (['--results-format', 'xml'], "--results-format: 'xml' is not one of: csv, json"),
+    (['-b', '0'], '-b/--batch-size: got 0; allowed: a positive integer'),
+    (['--results-format', 'xml'], "--results-format: got 'xml'; allowed: one of 'csv', 'json'"),
     (['--amp-dtype', 'float8'], '--amp-dtype'),
     (['--model-dtype', 'int8'], '--model-dtype'),
     (['--amp', '--model-dtype', 'float16'], 'float32 model'),

@@ -13,9 +13,11 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-__all__ = ['AmpChoice', 'AMP_DTYPES', 'parse_amp_dtype', 'resolve_amp']
+__all__ = ['AmpChoice', 'AMP_DTYPES', 'MODEL_DTYPES', 'parse_amp_dtype', 'resolve_amp']
 
 AMP_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
+# --model-dtype: the dtype of weights and inputs when not training in AMP
+MODEL_DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
 
 @dataclass(frozen=True)

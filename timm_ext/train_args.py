@@ -10,9 +10,8 @@ groups, then parse::
 
 As in stock timm, a pre-parser reads only `-c/--config FILE`; the YAML keys (dest names) become defaults of the
 main parser and the command line wins over them. Unlike stock, bad input is a one-line argument error (exit 2):
-an unreadable or malformed config, config values of the wrong kind, and values our tools cannot run with
-(`--batch-size 0`, `--lr-base-scale cubic`, ...). Config keys that are not flags are named in one warning and
-ignored.
+an unreadable or malformed config, config values of the wrong kind, and any value outside its flag's domain
+(`timm_ext.arg_checks`). Config keys that are not flags are named in one warning and ignored.
 """
 import argparse
 import logging
@@ -21,16 +20,15 @@ from typing import Any, Mapping, NoReturn, Sequence
 import yaml
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
+from .arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_names
+
 __all__ = [
-    'AMP_DTYPES', 'EXTENSIONS_GROUP', 'LR_BASE_SCALES', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser',
-    'args_to_yaml', 'build_config_parser', 'build_parser', 'config_keys', 'given_dests', 'parse_args', 'read_config',
-    'validate_args',
+    'EXTENSIONS_GROUP', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser', 'args_to_yaml', 'build_config_parser',
+    'build_parser', 'config_keys', 'given_dests', 'parse_args', 'read_config', 'validate_args',
 ]
 
 _logger = logging.getLogger(__name__)
 
-LR_BASE_SCALES = ('', 'linear', 'sqrt')
-AMP_DTYPES = ('float16', 'bfloat16')
 EXTENSIONS_GROUP = 'timm_ext extensions'
 
 # Values argparse and yaml.safe_dump both handle; anything else in --model-kwargs/--opt-kwargs is refused.
@@ -216,7 +214,7 @@ def _add_device_args(parser: argparse.ArgumentParser) -> None:
                        help="device type to run on, e.g. 'cuda', 'cpu', 'mps'")
     group.add_argument('--amp', action='store_true', default=False, help='train with automatic mixed precision')
     group.add_argument('--amp-dtype', default='float16', type=str, metavar='DTYPE',
-                       help=f"autocast dtype with --amp: one of {', '.join(AMP_DTYPES)}")
+                       help="autocast dtype with --amp: 'float16' or 'bfloat16'")
     group.add_argument('--model-dtype', default=None, type=str, metavar='DTYPE',
                        help="dtype of model weights and inputs, e.g. 'bfloat16' (instead of AMP)")
     group.add_argument('--no-ddp-bb', action='store_true', default=False,
@@ -614,25 +612,16 @@ def given_dests(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> 
     return given | {dest for dest, value in vars(parsed).items() if value is not unset}
 
 
-def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject values our tools cannot run with, as an argument error (exit 2) naming the flag and what it takes.
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  domains: Mapping[str, Domain] = TRAIN_DOMAINS) -> None:
+    """Reject a value outside its flag's domain as an argument error (exit 2) naming the flag, value and domain.
 
-    Applies to the resolved values, so a bad value from a config file fails too. Stock timm accepts these and
-    fails later (division by zero, a silent fallback to linear scaling, an autocast error).
+    Applies to the resolved values, so a bad value from a config file fails the same way. The domains are in
+    `timm_ext.arg_checks`; stock timm accepts many of these values and fails later, or trains on them silently.
     """
-    for dest, flag in (('batch_size', '-b/--batch-size'), ('grad_accum_steps', '--grad-accum-steps'),
-                       ('validation_batch_size', '-vb/--validation-batch-size'),
-                       ('oom_grow_back', '--oom-grow-back')):
-        value = getattr(args, dest, None)
-        if value is not None and value <= 0:
-            parser.error(f'argument {flag}: must be a positive integer, got {value}')
-    scale = getattr(args, 'lr_base_scale', '')
-    if scale not in LR_BASE_SCALES:
-        parser.error(f"argument --lr-base-scale: invalid value {scale!r}; use 'linear', 'sqrt' or '' "
-                     f"(sqrt for ada*/lamb optimizers, else linear)")
-    amp_dtype = getattr(args, 'amp_dtype', 'float16')
-    if amp_dtype not in AMP_DTYPES:
-        parser.error(f"argument --amp-dtype: invalid value {amp_dtype!r}; use 'float16' or 'bfloat16'")
+    problem = check_values(args, domains, flag_names(parser))
+    if problem:
+        parser.error(problem)
 
 
 def args_to_yaml(args: argparse.Namespace | Mapping[str, Any]) -> str:
@@ -641,8 +630,8 @@ def args_to_yaml(args: argparse.Namespace | Mapping[str, Any]) -> str:
     return yaml.safe_dump(values, default_flow_style=False)
 
 
-def parse_args(argv: Sequence[str] | None = None,
-               parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, str]:
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None,
+               domains: Mapping[str, Domain] = TRAIN_DOMAINS) -> tuple[argparse.Namespace, str]:
     """Parse the command line the way stock timm train.py does, with our checks.
 
     `-c/--config FILE` is read first; its keys become defaults and the command line overrides them.
@@ -650,6 +639,7 @@ def parse_args(argv: Sequence[str] | None = None,
     Args:
         argv: Arguments without the program name (default: `sys.argv[1:]`).
         parser: The main parser, possibly extended by the caller (default: `build_parser()`).
+        domains: Allowed values by dest (default: train.py's; a caller adds those of its own flags).
 
     Returns:
         The parsed arguments and their YAML text (for args.yaml).
@@ -664,5 +654,5 @@ def parse_args(argv: Sequence[str] | None = None,
             parser.error(str(e))
         defaults = _check_config(parser, config, config_args.config)
     args = _parse_with_defaults(parser, remaining, defaults)
-    validate_args(parser, args)
+    validate_args(parser, args, domains)
     return args, args_to_yaml(args)

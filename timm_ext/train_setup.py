@@ -1,9 +1,9 @@
 """Builders for train.py: model, datasets, loaders, mixup, losses and the training task, from parsed arguments.
 
 Each builder does what timm's stock train.py does for the same flags, through the timm library, and turns the
-failures a user can cause (a missing data folder, an unknown model, a flag combination that cannot work) into
-:class:`UsageError` (exit status 2) or :class:`SetupError` (exit status 1) with a one-line message, before any
-output is written.
+failures a user can cause (a missing data folder, a model that cannot be built, a flag combination that cannot
+work) into :class:`UsageError` (exit status 2) or :class:`SetupError` (exit status 1) with a one-line message,
+before any output is written.
 """
 import argparse
 import logging
@@ -15,12 +15,15 @@ import torch.nn as nn
 from timm.data import AugMixDataset, FastCollateMixup, Mixup, create_dataset, create_loader, create_naflex_loader
 from timm.layers import convert_splitbn_model, convert_sync_batchnorm
 from timm.loss import BinaryCrossEntropy, JsdCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.models import create_model, is_model, safe_model_name
+from timm.models import create_model, safe_model_name
 from timm.task import ClassificationTask, FeatureDistillationTask, LogitDistillationTask, TokenDistillationTask
+from timm.utils import world_info_from_env
+
+from .amp import MODEL_DTYPES
+from .arg_checks import extension_problem, train_input_problem
+from .augment_fixes import patch_posterize
 
 _logger = logging.getLogger('train')
-
-MODEL_DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
 
 class UsageError(Exception):
@@ -31,19 +34,24 @@ class SetupError(Exception):
     """A run that cannot be set up: missing data, unknown model, unusable weights (exit status 1)."""
 
 
-def check_arg_combinations(args: argparse.Namespace) -> None:
-    """Reject flag combinations stock timm asserts on (or crashes later with), before anything is built."""
+def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
+    """Reject flag combinations stock timm asserts on (or crashes later with), before anything is built.
+
+    Each flag's own range is checked by the parser (`timm_ext.arg_checks`); these are rules between flags.
+
+    Args:
+        args: Parsed arguments.
+        world_size: Processes the run will train on (default: from the launcher's environment, as timm reads it).
+    """
+    if world_size is None:
+        world_size = world_info_from_env()[2]
     rules = [
         (args.naflex_loader and args.train_img_sizes is not None,
          '--naflex-loader and --train-img-sizes are alternative loader modes; pass one'),
         (args.naflex_loader and args.use_multi_epochs_loader,
          '--use-multi-epochs-loader does not work with --naflex-loader'),
-        (args.model_dtype is not None and args.model_dtype not in MODEL_DTYPES,
-         f"--model-dtype {args.model_dtype!r} is not supported; use one of {', '.join(MODEL_DTYPES)}"),
         (args.amp and args.model_dtype not in (None, 'float32'),
          '--amp needs a float32 model; drop --model-dtype or --amp'),
-        (args.aug_splits == 1, '--aug-splits 1 makes no split; use 0 (off) or >= 2'),
-        (args.aug_splits < 0, '--aug-splits must be >= 0'),
         (args.split_bn and args.aug_splits < 2 and not args.resplit,
          '--split-bn needs --aug-splits >= 2 or --resplit'),
         (args.jsd_loss and args.aug_splits < 2, '--jsd-loss needs --aug-splits >= 2'),
@@ -54,15 +62,24 @@ def check_arg_combinations(args: argparse.Namespace) -> None:
         (not args.no_prefetcher and args.aug_splits and _mixup_active(args) and not args.naflex_loader,
          'mixup/cutmix with --aug-splits needs --no-prefetcher (the fast collate cannot de-interleave splits)'),
         (args.naflex_loader and args.aug_splits > 1, '--aug-splits does not work with --naflex-loader'),
-        (args.checkpoint_hist < 1, '--checkpoint-hist must be >= 1'),
-        (args.log_interval < 1, '--log-interval must be >= 1'),
-        (args.val_interval < 1, '--val-interval must be >= 1'),
-        (args.recovery_interval < 0, '--recovery-interval must be >= 0 (0: off)'),
-        (args.workers < 0, '-j/--workers must be >= 0'),
     ]
     for failed, message in rules:
         if failed:
             raise UsageError(message)
+    problem = extension_problem(args, world_size)
+    if problem:
+        raise UsageError(problem)
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse files and folders the run cannot read or write (`timm_ext.arg_checks.train_input_problem`).
+
+    Raises:
+        SetupError: One line naming the flag, the path and the problem.
+    """
+    problem = train_input_problem(args)
+    if problem:
+        raise SetupError(problem)
 
 
 def check_compile_backend(backend: str, device: torch.device) -> None:
@@ -95,14 +112,7 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
     Raises:
         SetupError: Unknown model name, unreadable --initial-checkpoint / --pretrained-path, weights not loadable.
     """
-    name = args.model
-    bare = name.split(':', 1)[-1] if name.startswith(('hf-hub:', 'hf_hub:', 'local-dir:')) else name
-    if bare == name and not is_model(name.split('.', 1)[0]):
-        raise SetupError(f"unknown model {name!r}; `python -c \"import timm; print(timm.list_models('*x*'))\"` "
-                         f"lists the names")
-    for flag, path in (('--initial-checkpoint', args.initial_checkpoint), ('--pretrained-path', args.pretrained_path)):
-        if path and not os.path.isfile(path):
-            raise SetupError(f'{flag} file not found: {path}')
+    name = args.model  # a known name, and weight files that exist: checked with the arguments
 
     in_chans = args.in_chans if args.in_chans is not None else (args.input_size[0] if args.input_size else 3)
     factory_kwargs = {}
@@ -269,6 +279,8 @@ def build_train_loader(
     Raises:
         SetupError: The split holds fewer samples than one batch (every batch would be dropped).
     """
+    if args.aa:
+        patch_posterize()  # timm's increasing posterize reaches 0 bits, which current Pillow refuses
     train_interpolation = args.train_interpolation
     if args.no_aug or not train_interpolation:
         train_interpolation = data_config['interpolation']
@@ -311,9 +323,7 @@ def build_train_loader(
         patch_kwargs = {}
         if args.naflex_patch_sizes:
             patch_kwargs['patch_size_choices'] = args.naflex_patch_sizes
-            if args.naflex_patch_size_probs:
-                if len(args.naflex_patch_size_probs) != len(args.naflex_patch_sizes):
-                    raise UsageError('--naflex-patch-size-probs needs one value per --naflex-patch-sizes entry')
+            if args.naflex_patch_size_probs:  # one per size: checked with the arguments
                 patch_kwargs['patch_size_choice_probs'] = args.naflex_patch_size_probs
         else:
             patch_kwargs['patch_size'] = model.get_patch_size()

@@ -1,23 +1,20 @@
 """Command line of validate.py: every stock timm validate.py flag (same strings, dests, defaults, types), checked.
 
-The flags are interface facts and match `shared/spec/timm_validate_args.json`; the help texts are ours.
-`parse_validate_args` adds what stock argparse leaves to asserts deep in the run: value checks that end in a
-one-line error and exit status 2 before anything is built.
+The flags are interface facts and match the stock spec (`tests/data/timm_validate_args.json`); the help texts are
+ours. `parse_validate_args` adds what stock argparse leaves to asserts deep in the run: each flag's domain
+(`timm_ext.arg_checks.VALIDATE_DOMAINS`) and the files and folders named, each a one-line error and exit status 2
+before anything is built.
 """
 import argparse
 import os
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Mapping, NoReturn, Optional, Sequence
 
 from timm.utils import ParseKwargs
 
-from .amp import AMP_DTYPES
-from .results import RESULT_FORMATS
+from .arg_checks import VALIDATE_DOMAINS, check_values, flag_names, split_problem, writable_file_problem
 
-__all__ = ['OneLineArgumentParser', 'MODEL_DTYPES', 'build_validate_parser', 'check_validate_args',
-           'parse_validate_args']
-
-MODEL_DTYPES = ('float32', 'float16', 'bfloat16')
+__all__ = ['OneLineArgumentParser', 'build_validate_parser', 'check_validate_args', 'parse_validate_args']
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -130,22 +127,16 @@ def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
     return p
 
 
-def check_validate_args(args: argparse.Namespace) -> Optional[str]:
-    """Return a one-line complaint about argument values stock validate.py would only trip over later, or None."""
-    if args.batch_size < 1:
-        return f'argument -b/--batch-size: must be at least 1, got {args.batch_size}'
-    if args.num_gpu < 1:
-        return f'argument --num-gpu: must be at least 1, got {args.num_gpu}'
-    if args.workers < 0:
-        return f'argument -j/--workers: must be 0 or more, got {args.workers}'
-    if args.log_freq < 1:
-        return f'argument --log-freq: must be at least 1, got {args.log_freq}'
-    if args.results_format not in RESULT_FORMATS:
-        return f"argument --results-format: {args.results_format!r} is not one of: {', '.join(RESULT_FORMATS)}"
-    if args.amp_dtype not in AMP_DTYPES:
-        return f"argument --amp-dtype: {args.amp_dtype!r} is not one of: {', '.join(AMP_DTYPES)}"
-    if args.model_dtype is not None and args.model_dtype not in MODEL_DTYPES:
-        return f"argument --model-dtype: {args.model_dtype!r} is not one of: {', '.join(MODEL_DTYPES)}"
+def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Return a one-line complaint about argument values stock validate.py would only trip over later, or None.
+
+    Args:
+        args: Parsed arguments.
+        flags: How each dest is written in messages (default: from validate.py's parser).
+    """
+    problem = check_values(args, VALIDATE_DOMAINS, flags or flag_names(build_validate_parser()))
+    if problem:
+        return problem
     if args.amp and args.model_dtype not in (None, 'float32'):
         return f'--amp needs a float32 model; drop --model-dtype {args.model_dtype} or --amp'
     for flag, path in (('--valid-labels', args.valid_labels), ('--real-labels', args.real_labels),
@@ -153,9 +144,9 @@ def check_validate_args(args: argparse.Namespace) -> Optional[str]:
         if path and not os.path.isfile(path):
             return f'argument {flag}: file not found: {path}'
     if args.results_file:
-        folder = os.path.dirname(os.path.abspath(args.results_file))
-        if not os.path.isdir(folder):
-            return f'argument --results-file: folder does not exist: {folder}'
+        problem = writable_file_problem('argument --results-file:', args.results_file)
+        if problem:
+            return problem
     if args.checkpoint and not os.path.exists(args.checkpoint):
         return f'argument --checkpoint: not found: {args.checkpoint}'
     root = args.data or args.data_dir
@@ -164,6 +155,7 @@ def check_validate_args(args: argparse.Namespace) -> Optional[str]:
             return 'no dataset given: pass --data-dir DIR (a folder holding the split, e.g. DIR/validation/)'
         if not os.path.exists(root):
             return f'data folder not found: {root}; pass --data-dir pointing at an existing dataset root'
+        return split_problem('argument --split', root, args.split)
     return None
 
 
@@ -171,7 +163,7 @@ def parse_validate_args(argv: Optional[Sequence[str]] = None) -> argparse.Namesp
     """Parse and check validate.py's command line; bad values exit with status 2 and one line on stderr."""
     parser = build_validate_parser(prog=os.path.basename(sys.argv[0]) or 'validate.py')
     args = parser.parse_args(argv)
-    problem = check_validate_args(args)
+    problem = check_validate_args(args, flag_names(parser))
     if problem:
         parser.error(problem)
     return args
