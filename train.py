@@ -30,6 +30,7 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm_ext import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
 from timm_ext.amp import resolve_amp
+from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
 from timm_ext.lr import resolve_lr
 from timm_ext.noise_monitor import noise_scale_problem, write_noise_scale_row
@@ -76,13 +77,11 @@ def main() -> int:
 def train(args, args_text: str) -> int:
     for module in args.device_modules or ():
         importlib.import_module(module)
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
     args.prefetcher = not args.no_prefetcher
     resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None  # fail fast on a bad file
 
     device = init_device(args)
+    configure_cuda_backends(device)
     primary = utils.is_primary(args)
     check_extension_args(args)
     if args.distributed:

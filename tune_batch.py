@@ -27,6 +27,7 @@ from timm.models import safe_model_name
 
 from timm_ext.checkpoint import atomic_text
 from timm_ext.critical_batch import DEFAULT_WARMUP_UPDATES, measure_noise_scale, plan_critical
+from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, init_device
 from timm_ext.memory import BudgetError, MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
 from timm_ext.oom_recovery import OomRecoveryError
@@ -218,6 +219,7 @@ def probe_or_reuse(args: argparse.Namespace, setup: TrainTrialSetup, device: tor
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     train_args = copy.deepcopy(args)  # as parsed: what the config describes (init_device adds runtime fields)
     device = init_device(args)
+    configure_cuda_backends(device)  # trials time the regime train.py runs in
     world_size = args.world_size if args.distributed else args.nproc
     primary = args.rank == 0
     budget = parse_budget(args.mem_budget or '1.0')

@@ -24,6 +24,7 @@ from timm.data import resolve_data_config
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 
 from .amp import resolve_amp
+from .cuda_backends import configure_cuda_backends
 from .distributed import ddp_device_ids
 from .lr import default_lr_scale, rescale_lr, resolve_lr
 from .noise_monitor import NoiseScaleSummary
@@ -118,6 +119,7 @@ def measure_noise_scale(args: argparse.Namespace, device: torch.device, micro_ba
         SetupError: The run cannot be built (see `timm_ext.train_setup`).
         OomRecoveryError: Even one sample per step does not fit.
     """
+    configure_cuda_backends(device)  # the warm-up trains in the regime of the run it plans
     args = copy.deepcopy(args)
     args.batch_size, args.grad_accum_steps = micro_batch, WARMUP_ACCUM
     args.prefetcher = not args.no_prefetcher
