@@ -34,7 +34,7 @@ from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
 from timm_ext.lr import resolve_lr
 from timm_ext.noise_monitor import noise_scale_problem, write_noise_scale_row
-from timm_ext.oom_recovery import OomRecoveryError
+from timm_ext.oom_recovery import OomRecoveryError, sync_bn_problem
 from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import (
@@ -308,6 +308,9 @@ def check_extension_args(args) -> None:
     if args.oom_recover and args.aug_splits > 1:
         raise UsageError('--oom-recover cannot split batches of --aug-splits (the loss ties the augmented copies of '
                          'each sample together); drop one of them')
+    problem = sync_bn_problem(args.oom_recover, args.sync_bn, args.world_size)
+    if problem:
+        raise UsageError(problem)
     if args.log_noise_scale:
         problem = noise_scale_problem(args.grad_accum_steps, args.world_size, loss_weighting(args))
         if problem:

@@ -7,9 +7,10 @@
 Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
 largest micro-batch under the memory budget with real training steps (`timm_ext.probe_train`), plan accumulation
 for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML config that train.py (ours or stock)
-reads with `-c`, print a report and the train command, then run it unless `--dry-run`. With `--nproc N` the probe
-runs on N ranks under torchrun (each rank probes; they agree on the smallest) and training is launched through
-distributed_train.sh. With `--select critical` a short warm-up of the run at the probed micro-batch estimates the
+reads with `-c`, print a report and the train command, then become it unless `--dry-run` (`os.execv`, same PID: no
+model, allocator cache or CUDA context of the probe outlives it; `timm_ext.handover`). With `--nproc N` the probe
+runs on N ranks under torchrun (each rank probes; they agree on the smallest), and once they have exited this
+process becomes distributed_train.sh. With `--select critical` a short warm-up of the run at the probed micro-batch estimates the
 gradient noise scale, and the global batch nearest to it is planned instead (`timm_ext.critical_batch`).
 """
 import argparse
@@ -29,8 +30,9 @@ from timm_ext.checkpoint import atomic_text
 from timm_ext.critical_batch import DEFAULT_WARMUP_UPDATES, measure_noise_scale, plan_critical
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, init_device
+from timm_ext.handover import HandoverError, exec_training
 from timm_ext.memory import BudgetError, MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
-from timm_ext.oom_recovery import OomRecoveryError
+from timm_ext.oom_recovery import OomRecoveryError, sync_bn_problem
 from timm_ext.probe import (
     SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, format_table, format_trial,
     select_batch_size, trials_to_json,
@@ -112,6 +114,9 @@ def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parse_budget(args.mem_budget or '1.0')
     except BudgetError as e:
         parser.error(f'argument --mem-budget: {e}')
+    problem = sync_bn_problem(args.oom_recover, args.sync_bn, max(args.nproc, int(os.environ.get('WORLD_SIZE', 1))))
+    if problem:
+        parser.error(problem)  # the run it plans would refuse it
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -128,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, BudgetError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 2
-    except (SetupError, DeviceError, ProbeError, OomRecoveryError) as e:
+    except (SetupError, DeviceError, ProbeError, OomRecoveryError, HandoverError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -153,7 +158,7 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
         return rc
     command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc, extension_flags(
         args, parser, _group_dests(parser, EXTENSIONS_GROUP)))
-    return subprocess.call(command)
+    return exec_training(command)  # the probe ranks have exited; this process becomes the launcher
 
 
 def default_config_path(args: argparse.Namespace) -> str:
@@ -270,7 +275,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return 0
-    return subprocess.call(command)
+    return exec_training(command)  # nothing of the probe (model, allocator cache, CUDA context) outlives this
 
 
 def parser_dests(parser: argparse.ArgumentParser) -> List[str]:

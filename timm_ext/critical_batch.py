@@ -122,6 +122,7 @@ def measure_noise_scale(args: argparse.Namespace, device: torch.device, micro_ba
     configure_cuda_backends(device)  # the warm-up trains in the regime of the run it plans
     args = copy.deepcopy(args)
     args.batch_size, args.grad_accum_steps = micro_batch, WARMUP_ACCUM
+    args.sync_bn = False  # it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
     args.prefetcher = not args.no_prefetcher
     world_size = args.world_size if args.distributed else 1
     model_dtype = resolve_model_dtype(args)

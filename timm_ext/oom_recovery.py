@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from .oom import cpu_data_capped, should_retry
 
-__all__ = ['is_recoverable_oom', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory', 'RankFailed',
-           'agree_status', 'allreduce_gradients', 'split_batch', 'OK', 'OOM', 'FAILED']
+__all__ = ['is_recoverable_oom', 'sync_bn_problem', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory',
+           'RankFailed', 'agree_status', 'allreduce_gradients', 'split_batch', 'OK', 'OOM', 'FAILED']
 
 # per-rank status shared after each piece while recovery is on
 OK, OOM, FAILED = 0, 1, 2
@@ -33,6 +33,20 @@ def is_recoverable_oom(exc: BaseException, device: torch.device) -> bool:
     failure on a CPU whose data segment is capped (RLIMIT_DATA), which is how oneDNN reports an allocation failure.
     """
     return should_retry(exc, cpu_capped=device.type == 'cpu' and cpu_data_capped())
+
+
+def sync_bn_problem(oom_recover: bool, sync_bn: bool, world_size: int) -> Optional[str]:
+    """Why `--oom-recover` cannot run with `--sync-bn` here, or None when it can.
+
+    SyncBatchNorm all-gathers statistics inside every forward and backward of a process group: a rank that runs out
+    of memory alone would go to the OOM agreement while its peers wait in SyncBN's exchange (a hang, or on NCCL two
+    collectives mixed up).
+    """
+    if oom_recover and sync_bn and world_size > 1:
+        return ('--oom-recover cannot run with --sync-bn on several processes: SyncBatchNorm exchanges statistics '
+                'inside every step, where a rank that runs out of memory alone leaves the others waiting; drop '
+                '--sync-bn (--dist-bn reduce averages BN statistics after each epoch) or --oom-recover')
+    return None
 
 
 class OomRecoveryError(Exception):

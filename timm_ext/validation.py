@@ -396,7 +396,7 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
             _release(e, em.device)
             del loader
             if not smaller:
-                raise ValidationError(f'{em.name} runs out of memory even at batch size 1') from None
+                raise ValidationError(f'{em.name} runs out of memory even at batch size 1 ({one_line(e)})') from None
             batch_size = smaller
 
 

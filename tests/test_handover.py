@@ -1,0 +1,54 @@
+"""tune_batch.py hands the device over completely: training replaces the probe process (same PID, one interpreter
+start each), so nothing the probe built or reserved is alive when training starts; device files are close-on-exec."""
+import os
+import sys
+
+import pytest
+import yaml
+
+from conftest import run_script
+from timm_ext.handover import close_device_files_on_exec
+
+pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='exec and /proc/self/fd hand-over are Linux paths')
+
+# every interpreter start appends "<pid> <script>" to $TIMM_EXT_TEST_STARTS
+START_HOOK = '''import os, sys
+with open(os.environ['TIMM_EXT_TEST_STARTS'], 'a') as f:
+    f.write(f'{os.getpid()} {os.path.basename(sys.argv[0])}\\n')
+'''
+
+
+def test_training_replaces_the_probe_process(tmp_path, image_folder):
+    hook = tmp_path / 'hook'
+    hook.mkdir()
+    (hook / 'sitecustomize.py').write_text(START_HOOK)
+    starts = tmp_path / 'starts.txt'
+    env = {'PYTHONPATH': os.pathsep.join(filter(None, [str(hook), os.environ.get('PYTHONPATH')])),
+           'TIMM_EXT_TEST_STARTS': str(starts), 'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}
+    result = run_script('tune_batch.py', '--data-dir', image_folder, '--model', 'test_resnet', '--device', 'cpu',
+                        '--num-classes', '3', '--img-size', '32', '-j', '0', '--mem-budget', '48MiB', '--max-batch',
+                        '4', '--epochs', '1', '--output', tmp_path / 'runs', '--experiment', 'tuned',
+                        '--tuned-config', tmp_path / 'tuned.yaml', env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in starts.read_text().splitlines()]
+    assert [script for _, script in lines] == ['tune_batch.py', 'train.py'], lines
+    assert lines[0][0] == lines[1][0], 'train.py runs in the probe\'s own process, not in a child of it'
+    trained = yaml.safe_load((tmp_path / 'runs' / 'tuned' / 'args.yaml').read_text())
+    assert trained['batch_size'] == yaml.safe_load((tmp_path / 'tuned.yaml').read_text())['batch_size']
+
+
+def test_device_files_are_marked_close_on_exec(tmp_path):
+    device_file = tmp_path / 'nvidia0'
+    device_file.write_bytes(b'')
+    other = tmp_path / 'kept'
+    other.write_bytes(b'')
+    fd, kept_fd = os.open(device_file, os.O_RDONLY), os.open(other, os.O_RDONLY)
+    try:
+        os.set_inheritable(fd, True)
+        os.set_inheritable(kept_fd, True)
+        assert close_device_files_on_exec((str(device_file),)) == 1
+        assert not os.get_inheritable(fd)
+        assert os.get_inheritable(kept_fd), 'only the device files are touched'
+    finally:
+        os.close(fd)
+        os.close(kept_fd)
