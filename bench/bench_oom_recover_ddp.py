@@ -19,7 +19,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import timm
@@ -33,7 +32,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.distributed import ddp_device_ids  # noqa: E402
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
+from common import loop_bench_parser, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
 
 ARMS = ('plain', 'oom_recover')
 
@@ -64,19 +63,12 @@ def main() -> None:
     batches = synthetic_batches(args, device)
     loops = {name: make_loop(args, device, name == 'oom_recover') for name in ARMS}
 
-    def timed(name: str, epoch: int) -> float:
-        sync(device)
-        start = time.perf_counter()
-        loops[name].train_one_epoch(epoch, batches)
-        sync(device)
-        return time.perf_counter() - start
-
     for name in ARMS:
-        timed(name, 0)  # warm-up: allocator, kernels, DDP buckets, optimizer state
+        timed_epoch(loops[name], 0, batches, device)  # warm-up: allocator, kernels, DDP buckets, optimizer state
     times = {name: [] for name in ARMS}
     for i in range(args.repeats):
         for name in ARMS[i % 2:] + ARMS[:i % 2]:  # alternate which arm runs first
-            times[name].append(timed(name, i + 1))
+            times[name].append(timed_epoch(loops[name], i + 1, batches, device))
     if dist.get_rank() == 0:
         report(args, device, times, sum(p.numel() for p in loops['plain'].params))
     dist.destroy_process_group()
@@ -96,9 +88,9 @@ def report(args, device: torch.device, times: dict, params: int) -> None:
     print(f"{args.model} ({params / 1e6:.2f}M params) {args.img_size}px, micro-batch {args.batch_size} x "
           f"{args.batches}, accum {args.accum}, {world} {dist.get_backend()} ranks on {device.type}, "
           f"{args.repeats} alternating epochs per arm")
-    print(f"  plain DDP:           median {result['median_s']['plain'] * 1e3:8.1f} ms/epoch")
-    print(f"  --oom-recover, idle: median {result['median_s']['oom_recover'] * 1e3:8.1f} ms/epoch, median pair "
-          f"ratio {ratio:.4f} ({100 * (ratio - 1):+.2f}%)")
+    for name, label in zip(ARMS, ('plain DDP', '--oom-recover, idle')):
+        print(f"  {label + ':':20s} median {result['median_s'][name] * 1e3:8.1f} ms/epoch")
+    print(f"  recovery / plain, median of alternating pairs: {ratio:.4f} ({100 * (ratio - 1):+.2f}%)")
     write_result(args.output, result)
 
 
