@@ -29,7 +29,7 @@ from timm.models import safe_model_name
 from timm_ext.checkpoint import atomic_text
 from timm_ext.critical_batch import DEFAULT_WARMUP_UPDATES, measure_noise_scale, plan_critical
 from timm_ext.cuda_backends import configure_cuda_backends
-from timm_ext.distributed import DeviceError, init_device
+from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.handover import HandoverError, exec_training
 from timm_ext.memory import BudgetError, MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
 from timm_ext.oom_recovery import OomRecoveryError, sync_bn_problem
@@ -143,6 +143,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: List[str]) -> int:
     """Probe on `--nproc` ranks (torchrun, --dry-run), then launch training from here through distributed_train.sh."""
+    try:  # each rank would refuse a missing GPU alone, and torchrun would add its own traceback
+        if args.device.split(':', 1)[0] == 'cuda':
+            check_device(args.device, local_rank=args.nproc - 1)
+    except DeviceError as e:
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
+        return 1
     config_path = args.tuned_config or default_config_path(args)
     # the ranks learn the world size from torchrun; an '--nproc' token would also trip torchrun's own parser
     rank_argv, skip = [], False

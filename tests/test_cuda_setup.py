@@ -177,3 +177,11 @@ def test_amp_check_runs_on_the_asked_gpu_not_gpu_0(monkeypatch):
     choice = amp_mod.resolve_amp(torch.device('cuda', 1), True, 'bfloat16')
     assert not choice.enabled  # neither dtype could be checked on this machine
     assert made_on and all(d == torch.device('cuda', 1) for d in made_on)
+
+
+def test_tune_batch_nproc_beyond_the_gpus_is_refused_before_torchrun(two_gpus, capsys):
+    tune_script = load_script('tune_batch')
+    assert tune_script.main(['--model', 'test_resnet', '--device', 'cuda', '--nproc', '3']) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ('tune_batch.py: error: --device cuda: local rank 2 trains on CUDA device 2, but '
+                   'torch.cuda.device_count() is 2; start at most 2 processes per node')

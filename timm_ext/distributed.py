@@ -32,13 +32,13 @@ def _check_device_available(device: str) -> None:
                               f'package installed?); pass --device cpu or cuda')
 
 
-def check_cuda_index(device: str, follow_local_rank: bool = True) -> None:
+def check_cuda_index(device: str, local_rank: Optional[int] = None) -> None:
     """Refuse a CUDA device index this machine does not have, before anything touches CUDA.
 
     Args:
         device: The --device value.
-        follow_local_rank: Under torchrun or SLURM timm trains each process on the device of its local rank,
-            whatever index was given, so the local rank is what must exist then (False: only the given index).
+        local_rank: Under torchrun or SLURM timm trains each process on the device of its local rank, whatever index
+            was given, so that is what must exist then (None: not distributed, the index in `device` counts).
 
     Raises:
         DeviceError: The index is not a CUDA device here (or `device` is not a device name at all).
@@ -50,14 +50,23 @@ def check_cuda_index(device: str, follow_local_rank: bool = True) -> None:
     if parsed.type != 'cuda':
         return
     count = torch.cuda.device_count()
-    if follow_local_rank and is_distributed_env():
-        local_rank = world_info_from_env()[0]
+    if local_rank is not None:
         if local_rank >= count:
             raise DeviceError(f'--device {device}: local rank {local_rank} trains on CUDA device {local_rank}, but '
                               f'torch.cuda.device_count() is {count}; start at most {count} processes per node')
     elif parsed.index is not None and parsed.index >= count:
         raise DeviceError(f'--device {device}: there is no CUDA device {parsed.index}, torch.cuda.device_count() is '
                           f'{count}; pass an index below {count} (or cuda for the first)')
+
+
+def check_device(device: str, local_rank: Optional[int] = None) -> None:
+    """Refuse a device this machine does not have: the type (`--device-modules` loaded first) and a CUDA index.
+
+    Raises:
+        DeviceError: One line saying what is missing.
+    """
+    _check_device_available(device)
+    check_cuda_index(device, local_rank)
 
 
 def init_device(args: argparse.Namespace) -> torch.device:
@@ -69,8 +78,7 @@ def init_device(args: argparse.Namespace) -> torch.device:
     Raises:
         DeviceError: The asked device type is not available, or its CUDA index does not exist.
     """
-    _check_device_available(args.device)
-    check_cuda_index(args.device)
+    check_device(args.device, world_info_from_env()[0] if is_distributed_env() else None)
     return init_distributed_device(args)
 
 

@@ -59,7 +59,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device('cpu')
     if device.type == 'cuda':
         try:
-            check_cuda_index(name, follow_local_rank=False)
+            check_cuda_index(name)
         except DeviceError as e:
             raise ValidationError(str(e)) from None
         if device.index is not None:
