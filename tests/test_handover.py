@@ -1,13 +1,15 @@
 """tune_batch.py hands the device over completely: training replaces the probe process (same PID, one interpreter
 start each), so nothing the probe built or reserved is alive when training starts; device files are close-on-exec."""
+import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 import yaml
 
 from conftest import run_script
-from timm_ext.handover import close_device_files_on_exec
+from timm_ext.handover import close_device_files_on_exec, end_child_processes
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='exec and /proc/self/fd hand-over are Linux paths')
 
@@ -52,3 +54,10 @@ def test_device_files_are_marked_close_on_exec(tmp_path):
     finally:
         os.close(fd)
         os.close(kept_fd)
+
+
+def test_worker_processes_are_ended_before_the_exec():
+    worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,), daemon=True)
+    worker.start()
+    assert end_child_processes() >= 1
+    assert not worker.is_alive() and worker.exitcode is not None

@@ -6,17 +6,20 @@ could run out of memory at the very micro-batch just planned. `exec_training` re
 (`os.execv`, same PID): nothing of the probe survives, and the training sees the device as a fresh process would.
 Signals, the exit status and the terminal go straight to the training, as if it had been started by hand.
 
-A file descriptor survives `execv` unless it is marked close-on-exec, and the GPU driver's device files (on which
-its memory and context hang) are left to the driver to mark; `close_device_files_on_exec` marks them all first.
+Two things would survive `execv`: a file descriptor not marked close-on-exec (the GPU driver's device files, on
+which its memory and context hang, are left to the driver to mark: `close_device_files_on_exec` marks them all), and
+child processes such as DataLoader workers (`end_child_processes` ends them).
 """
 import gc
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
 from typing import Sequence, Tuple
 
-__all__ = ['DEVICE_FILE_PREFIXES', 'HandoverError', 'close_device_files_on_exec', 'exec_training']
+__all__ = ['DEVICE_FILE_PREFIXES', 'HandoverError', 'close_device_files_on_exec', 'end_child_processes',
+           'exec_training']
 
 # NVIDIA's driver files, and AMD/Intel GPU compute and render nodes
 DEVICE_FILE_PREFIXES = ('/dev/nvidia', '/dev/kfd', '/dev/dri/')
@@ -49,6 +52,22 @@ def close_device_files_on_exec(prefixes: Tuple[str, ...] = DEVICE_FILE_PREFIXES)
     return marked
 
 
+def end_child_processes(timeout: float = 5.0) -> int:
+    """Terminate this process's multiprocessing children (a persistent DataLoader's workers, say) and wait for them.
+
+    They would outlive the exec: same parent PID, so they never notice, waiting on queues nobody reads any more.
+
+    Returns:
+        How many were still running.
+    """
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout)
+    return len(children)
+
+
 def exec_training(command: Sequence[str]) -> int:
     """Become `command` (an absolute executable path first): flush output, release the device, `os.execv`.
 
@@ -59,7 +78,8 @@ def exec_training(command: Sequence[str]) -> int:
     """
     if os.name != 'posix':
         return subprocess.call(list(command))
-    gc.collect()  # finalizers first (a loader's worker processes are shut down by its iterator's)
+    gc.collect()  # finalizers first: a loader's iterator shuts its workers down itself
+    end_child_processes()
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
