@@ -52,14 +52,15 @@ row() {  # part status seconds result
   [ "$2" = ok ] || [ "$2" = '-' ] || FAILED=1
 }
 
-# run NAME LIMIT_S CMD...: the command's output, each line prefixed by the time it arrived, goes to $OUT/NAME.log
+# run NAME LIMIT_S CMD...: print the command; unless --dry-run, run it (unbuffered) with its output, each line
+# prefixed by the time it arrived, in $OUT/NAME.log; ELAPSED is its wall time
 run() {
   local name="$1" limit="$2"
   shift 2
   printf '+ '; printf '%q ' "$@"; printf '\n'
   [ "$DRY_RUN" = 1 ] && return 0
   local start=$SECONDS
-  timeout --kill-after=20 "$limit" "$@" 2>&1 | PYTHONUNBUFFERED=1 "$PY" -u -c '
+  PYTHONUNBUFFERED=1 timeout --kill-after=20 "$limit" "$@" 2>&1 | "$PY" -u -c '
 import sys, time
 for line in sys.stdin:
     sys.stdout.write(f"{time.time():.3f} {line}")
