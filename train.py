@@ -31,6 +31,7 @@ from timm_ext import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
 from timm_ext.arg_checks import loss_weighting
 from timm_ext.amp import resolve_amp
+from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
 from timm_ext.lr import resolve_lr
 from timm_ext.noise_monitor import write_noise_scale_row
@@ -79,13 +80,11 @@ def main(argv=None, prog: str = 'train.py') -> int:
 def train(args, args_text: str) -> int:
     for module in args.device_modules or ():
         importlib.import_module(module)
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
     args.prefetcher = not args.no_prefetcher
     resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None  # fail fast on a bad file
 
     device = init_device(args)
+    configure_cuda_backends(device)
     primary = utils.is_primary(args)
     if args.distributed:
         _logger.info(f'Distributed training: process {args.rank} of {args.world_size}, device {args.device}.')

@@ -7,9 +7,10 @@
 Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
 largest micro-batch under the memory budget with real training steps (`timm_ext.probe_train`), plan accumulation
 for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML config that train.py (ours or stock)
-reads with `-c`, print a report and the train command, then train (in this process) unless `--dry-run`. With
-`--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest) and training is
-launched through distributed_train.sh.
+reads with `-c`, print a report and the train command, then train unless `--dry-run`: in this process, once
+everything the probe built is released (the imports are paid once; the probe's model, optimizer and allocator cache
+are gone). With `--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest),
+and once they have exited this process becomes distributed_train.sh (`timm_ext.handover`).
 
 The global batch is an optimisation choice, not a memory one (`--select auto`, the default): a global batch the
 recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a bigger one is chosen only when the
@@ -42,7 +43,9 @@ from timm_ext.checkpoint import atomic_text
 from timm_ext.critical_batch import (
     ESTIMATE_ACCUM, ESTIMATE_MICRO_BATCH, ESTIMATE_WINDOWS, estimate_samples, measure_noise_scale,
 )
-from timm_ext.distributed import DeviceError, init_device
+from timm_ext.cuda_backends import configure_cuda_backends
+from timm_ext.distributed import DeviceError, check_device, init_device
+from timm_ext.handover import HandoverError, exec_training
 from timm_ext.memory import (
     BudgetError, MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
 )
@@ -142,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, BudgetError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 2
-    except (SetupError, DeviceError, ProbeError, OomRecoveryError) as e:
+    except (SetupError, DeviceError, ProbeError, OomRecoveryError, HandoverError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -152,6 +155,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: List[str]) -> int:
     """Probe on `--nproc` ranks (torchrun, --dry-run), then launch training from here through distributed_train.sh."""
+    try:  # each rank would refuse a missing GPU alone, and torchrun would add its own traceback
+        if args.device.split(':', 1)[0] == 'cuda':
+            check_device(args.device, local_rank=args.nproc - 1)
+    except DeviceError as e:
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
+        return 1
     config_path = args.tuned_config or default_config_path(args)
     # the ranks learn the world size from torchrun; an '--nproc' token would also trip torchrun's own parser
     rank_argv, skip = [], False
@@ -167,7 +176,7 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
         return rc
     command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc, extension_flags(
         args, parser, _group_dests(parser, EXTENSIONS_GROUP)))
-    return subprocess.call(command)
+    return exec_training(command)  # the probe ranks have exited; this process becomes the launcher
 
 
 def default_config_path(args: argparse.Namespace) -> str:
@@ -360,6 +369,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
     train_args = copy.deepcopy(args)  # as parsed: what the config describes (init_device adds runtime fields)
     device = init_device(args)
+    configure_cuda_backends(device)  # trials time the regime train.py runs in
     world_size = args.world_size if args.distributed else args.nproc
     primary = args.rank == 0
     config_path = args.tuned_config or default_config_path(args)
@@ -388,6 +398,8 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     if args.dry_run:
         return 0
     # train here: the imports are paid once, and nothing of the probe is alive any more (see plan_tuned_run)
+    if args.torchcompile:
+        torch._dynamo.reset()  # the probe's compiled graphs would count toward the recompile limit of the same code
     return load_train_script().main(command[2:])
 
 

@@ -14,6 +14,7 @@ import sys
 
 from timm.utils import setup_default_logging
 
+from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.memory import free_memory
 from timm_ext.results import write_results
 from timm_ext.validate_args import parse_validate_args
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
     except (JobsError, ValidationError) as e:
         return fail(str(e), 2)
+    configure_cuda_backends(device)  # TF32 and cuDNN autotuning, as stock validate.py
 
     if plan.bulk:
         _logger.info(f'Bulk validation of {plan.description}: ' + ', '.join(m for m, _ in plan.jobs[:20])

@@ -15,7 +15,6 @@ next to it.
 import logging
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import timm
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
+from common import loop_bench_parser, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
 
 ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'oom_recover': True}}
 
@@ -54,11 +53,7 @@ def main() -> None:
     params = sum(p.numel() for p in loops['plain'].params)
 
     def timed(name: str, epoch: int) -> float:
-        sync(device)
-        start = time.perf_counter()
-        loops[name].train_one_epoch(epoch, batches)
-        sync(device)
-        return time.perf_counter() - start
+        return timed_epoch(loops[name], epoch, batches, device)
 
     names = list(ARMS)
     for name in names:

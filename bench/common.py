@@ -1,6 +1,7 @@
 """What the loop benchmarks share: their command line, device sync, and the synthetic batches they train on."""
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import List, Tuple
 
@@ -26,6 +27,15 @@ def sync(device: torch.device) -> None:
     """Wait for queued device work, so wall-clock timings cover it."""
     if device.type == 'cuda':
         torch.cuda.synchronize()
+
+
+def timed_epoch(loop, epoch: int, batches, device: torch.device) -> float:
+    """Wall seconds of one `TrainLoop` epoch over `batches`, queued device work included."""
+    sync(device)
+    start = time.perf_counter()
+    loop.train_one_epoch(epoch, batches)
+    sync(device)
+    return time.perf_counter() - start
 
 
 def synthetic_batches(args: argparse.Namespace, device: torch.device) -> List[Tuple[torch.Tensor, torch.Tensor]]:

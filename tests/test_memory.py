@@ -1,11 +1,14 @@
 """timm_ext.memory: budget parsing, real RLIMIT_DATA caps (in subprocesses), peak measurement, cap lifting."""
+import logging
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from timm_ext.memory import BudgetError, MemoryBudget, format_bytes, parse_budget, physical_memory
+from timm_ext.memory import BudgetError, MemoryBudget, PeakMeter, format_bytes, parse_budget, physical_memory
 
 from conftest import REPO_ROOT
 
@@ -127,3 +130,42 @@ def test_peak_meter_measures_what_the_cap_counts():
     peak_mib, small_mib = map(int, result.stdout.split())
     assert 96 <= peak_mib < 96 + 16
     assert 8 <= small_mib < peak_mib
+
+
+# ---- CUDA budgets and peaks: no GPU here, so the few torch.cuda queries involved are replaced ----------------------
+
+GIB = 1 << 30
+CUDA1 = torch.device('cuda', 1)
+
+
+@pytest.fixture
+def busy_gpu(monkeypatch):
+    """An 80 GiB GPU of which 30 GiB are free; this process's allocator holds 10 GiB of the rest."""
+    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda d: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d: 'Test GPU')
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda d: (30 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, 'memory_reserved', lambda d: 10 * GIB)
+
+
+def test_cuda_fraction_is_of_what_the_device_can_still_give(busy_gpu):
+    assert MemoryBudget(fraction=0.5).resolve(CUDA1) == 20 * GIB  # half of 30 free + 10 held, not half of 80
+
+
+def test_cuda_size_above_what_is_free_warns_and_above_the_device_fails(busy_gpu, caplog):
+    with caplog.at_level(logging.WARNING, logger='timm_ext.memory'):
+        assert MemoryBudget(num_bytes=50 * GIB).resolve(CUDA1) == 50 * GIB
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and '50.00 GiB' in warnings[0] and '40.00 GiB' in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger='timm_ext.memory'):
+        MemoryBudget(num_bytes=40 * GIB).resolve(CUDA1)
+    assert not caplog.records
+    with pytest.raises(BudgetError, match='larger than'):
+        MemoryBudget(num_bytes=81 * GIB).resolve(CUDA1)
+
+
+def test_cuda_peak_is_reserved_memory_the_cap_limits(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda d=None: 3 * GIB)
+    monkeypatch.setattr(torch.cuda, 'max_memory_reserved', lambda d=None: 4 * GIB)
+    assert PeakMeter(CUDA1).peak() == 4 * GIB

@@ -48,19 +48,20 @@ def parse_amp_dtype(name: str) -> torch.dtype:
     return AMP_DTYPES[name]
 
 
-def _autocast_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """True when autocast on `device_type` really computes a matmul in `dtype`.
+def _autocast_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when autocast on `device` really computes a matmul in `dtype`.
 
     torch answers an unsupported autocast dtype with a warning and a disabled context, and some builds accept
-    the dtype but lack kernels for it; a 2x2 matmul on the device tells both apart cheaply.
+    the dtype but lack kernels for it; a 2x2 matmul on the device tells both apart cheaply. The matmul runs on
+    `device` itself (cuda:1 is not cuda): a bare 'cuda' would open a context on another GPU.
     """
-    if not torch.amp.is_autocast_available(device_type):
+    if not torch.amp.is_autocast_available(device.type):
         return False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            with torch.autocast(device_type=device_type, dtype=dtype):
-                a = torch.ones(2, 2, device=device_type)
+            with torch.autocast(device_type=device.type, dtype=dtype):
+                a = torch.ones(2, 2, device=device)
                 return (a @ a).dtype == dtype
     except (RuntimeError, NotImplementedError):
         return False
@@ -85,10 +86,11 @@ def resolve_amp(device: torch.device, amp: bool, amp_dtype: str = 'float16') -> 
     if not amp:
         return AmpChoice(nullcontext, None, False, 'AMP not enabled; running in the model dtype.')
 
-    device_type = torch.device(device).type
+    device = torch.device(device)
+    device_type = device.type
     other = torch.bfloat16 if asked == torch.float16 else torch.float16
     for dtype in (asked, other):
-        if _autocast_runs(device_type, dtype):
+        if _autocast_runs(device, dtype):
             break
     else:
         return AmpChoice(

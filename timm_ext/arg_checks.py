@@ -404,11 +404,15 @@ def loss_weighting(args: argparse.Namespace) -> str:
 def extension_problem(args: argparse.Namespace, world_size: int) -> Optional[str]:
     """Why flags of the OOM recovery or noise scale cannot work with the rest of the command line, or None."""
     from .noise_monitor import noise_scale_problem
+    from .oom_recovery import sync_bn_problem
     if args.oom_grow_back is not None and not args.oom_recover:
         return '--oom-grow-back only acts after --oom-recover has shrunk the micro-batch; add --oom-recover'
     if args.oom_recover and args.aug_splits > 1:
         return ('--oom-recover cannot split batches of --aug-splits (the loss ties the augmented copies of each '
                 'sample together); drop one of them')
+    problem = sync_bn_problem(args.oom_recover, args.sync_bn, world_size)
+    if problem:
+        return problem
     if args.log_noise_scale:
         return noise_scale_problem(args.grad_accum_steps, world_size, loss_weighting(args))
     return None

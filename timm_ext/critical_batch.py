@@ -23,6 +23,7 @@ from timm.optim import create_optimizer_v2, optimizer_kwargs
 
 from .amp import resolve_amp
 from .batch_choice import NoiseEstimate
+from .cuda_backends import configure_cuda_backends
 from .distributed import ddp_device_ids, reduce_mean
 from .lr import resolve_lr
 from .noise_scale import bootstrap_noise_scale
@@ -89,8 +90,10 @@ def measure_noise_scale(args: argparse.Namespace, device: torch.device, micro_ba
         SetupError: The run cannot be built (see `timm_ext.train_setup`).
         OomRecoveryError: Even one sample per step does not fit.
     """
+    configure_cuda_backends(device)  # the warm-up trains in the regime of the run it plans
     args = copy.deepcopy(args)
     args.batch_size, args.grad_accum_steps = micro_batch, ESTIMATE_ACCUM
+    args.sync_bn = False  # it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
     args.prefetcher = not args.no_prefetcher
     world_size = args.world_size if args.distributed else 1
     model_dtype = resolve_model_dtype(args)

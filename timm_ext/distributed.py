@@ -1,9 +1,10 @@
 """Process-group setup and cross-rank reductions for torchrun / SLURM launched training.
 
 timm's ``init_distributed_device`` finds the world from torchrun or SLURM variables and picks the backend from the
-device (NCCL on CUDA, gloo on CPU). Two things are added here: a one-line error instead of an assert when the asked
-device is not there, and the right ``device_ids`` for DDP, which must be None for a CPU module (stock passes the
-CPU device and DDP refuses it, so stock dies on CPU).
+device (NCCL on CUDA, gloo on CPU). Added here: a one-line error instead of an assert or a CUDA traceback when the
+asked device is not there (no CUDA, or a CUDA index beyond ``torch.cuda.device_count()``, including a local rank
+beyond it when torchrun starts more processes than the node has GPUs), and the right ``device_ids`` for DDP, which
+must be None for a CPU module (stock passes the CPU device and DDP refuses it, so stock dies on CPU).
 """
 import argparse
 from typing import List, Optional
@@ -11,6 +12,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from timm.utils import init_distributed_device
+from timm.utils.distributed import is_distributed_env, world_info_from_env
 
 
 class DeviceError(Exception):
@@ -30,6 +32,43 @@ def _check_device_available(device: str) -> None:
                               f'package installed?); pass --device cpu or cuda')
 
 
+def check_cuda_index(device: str, local_rank: Optional[int] = None) -> None:
+    """Refuse a CUDA device index this machine does not have, before anything touches CUDA.
+
+    Args:
+        device: The --device value.
+        local_rank: Under torchrun or SLURM timm trains each process on the device of its local rank, whatever index
+            was given, so that is what must exist then (None: not distributed, the index in `device` counts).
+
+    Raises:
+        DeviceError: The index is not a CUDA device here (or `device` is not a device name at all).
+    """
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise DeviceError(f'--device {device}: not a device name; use e.g. cuda, cuda:1 or cpu') from None
+    if parsed.type != 'cuda':
+        return
+    count = torch.cuda.device_count()
+    if local_rank is not None:
+        if local_rank >= count:
+            raise DeviceError(f'--device {device}: local rank {local_rank} trains on CUDA device {local_rank}, but '
+                              f'torch.cuda.device_count() is {count}; start at most {count} processes per node')
+    elif parsed.index is not None and parsed.index >= count:
+        raise DeviceError(f'--device {device}: there is no CUDA device {parsed.index}, torch.cuda.device_count() is '
+                          f'{count}; pass an index below {count} (or cuda for the first)')
+
+
+def check_device(device: str, local_rank: Optional[int] = None) -> None:
+    """Refuse a device this machine does not have: the type (`--device-modules` loaded first) and a CUDA index.
+
+    Raises:
+        DeviceError: One line saying what is missing.
+    """
+    _check_device_available(device)
+    check_cuda_index(device, local_rank)
+
+
 def init_device(args: argparse.Namespace) -> torch.device:
     """Set up the device and, under torchrun or SLURM, the process group; fills args.rank/world_size/...
 
@@ -37,9 +76,9 @@ def init_device(args: argparse.Namespace) -> torch.device:
         The device this process trains on.
 
     Raises:
-        DeviceError: The asked device type is not available.
+        DeviceError: The asked device type is not available, or its CUDA index does not exist.
     """
-    _check_device_available(args.device)
+    check_device(args.device, world_info_from_env()[0] if is_distributed_env() else None)
     return init_distributed_device(args)
 
 

@@ -4,8 +4,12 @@ A probe needs the process to fail for real when a batch needs more than the budg
 fitting batch came to it:
 
 * CUDA: `torch.cuda.set_per_process_memory_fraction` caps the caching allocator at budget / device total, so a
-  larger batch raises `torch.OutOfMemoryError`. The budget counts everything this process allocates on the device
-  (weights included). Peak: `torch.cuda.max_memory_allocated` since the last reset.
+  larger batch raises `torch.OutOfMemoryError`. The cap limits what the allocator *reserves* (it refuses when
+  reserved + the new segment would pass the fraction), so the budget counts everything this process reserves on the
+  device (weights included), and the peak is `torch.cuda.max_memory_reserved` since the last reset: allocated bytes
+  would leave out the fragmentation that makes the cap bite. Memory outside the allocator (the CUDA context, NCCL
+  buffers, other processes) is not in the fraction, so a fractional budget is taken of what the device can still
+  give this process: `torch.cuda.mem_get_info`'s free bytes plus what this process's allocator already holds.
 * CPU (Linux): `RLIMIT_DATA` set to the process's current data segment (VmData) + budget, so PyTorch's allocator gets
   ENOMEM and raises "DefaultCPUAllocator: can't allocate memory". The budget counts memory *above* what the process
   holds when the cap is set (model, optimizer, libraries are already there). Peak: VmData, the very quantity the
@@ -34,7 +38,7 @@ import torch
 
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
-    'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status', 'data_and_stack',
+    'device_available_memory', 'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status', 'data_and_stack',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -77,23 +81,30 @@ class MemoryBudget:
     fraction: Optional[float] = None
 
     def resolve(self, device: DeviceLike) -> int:
-        """The budget in bytes on `device`.
+        """The budget in bytes on `device`: a fraction of what it can still give (`device_available_memory`), or
+        the absolute size, with a warning on CUDA when that is more than the device can give now.
 
         Raises:
             BudgetError: The budget is larger than the device's memory.
         """
-        total = device_total_memory(device)
+        available = device_available_memory(device)
         if self.fraction is not None:
-            return int(total * self.fraction)
+            return int(available * self.fraction)
+        total = device_total_memory(device)
         if self.num_bytes > total:
             what = 'memory the system can still give (MemAvailable)' if _device(device).type == 'cpu' else 'memory'
             raise BudgetError(f'memory budget {format_bytes(self.num_bytes)} is larger than the {what} of '
                               f'{device_name(device)}: {format_bytes(total)}; pass a smaller --mem-budget '
                               f'or a fraction such as 0.8')
+        if self.num_bytes > available:
+            _logger.warning(f'Memory budget {format_bytes(self.num_bytes)} is more than {device_name(device)} can '
+                            f'give this process now ({format_bytes(available)}: free plus what it holds; the CUDA '
+                            f'context, NCCL and other processes take the rest): trials near the budget fail outside '
+                            f'the cap, and the chosen batch may not fit when training starts.')
         return self.num_bytes
 
     def __str__(self) -> str:
-        return f'{self.fraction:g} of device memory' if self.fraction is not None else format_bytes(self.num_bytes)
+        return f'{self.fraction:g} of available memory' if self.fraction is not None else format_bytes(self.num_bytes)
 
 
 def parse_budget(text: Union[str, float, int]) -> MemoryBudget:
@@ -172,6 +183,16 @@ def device_total_memory(device: DeviceLike) -> int:
         _require_linux()
         return _meminfo('MemAvailable')
     raise BudgetError(f'memory budgets are supported on cuda and cpu devices, not {device.type}')
+
+
+def device_available_memory(device: DeviceLike) -> int:
+    """Memory this process can still have on `device`: CUDA's free memory (`mem_get_info`) plus what this process's
+    caching allocator already reserves (the fraction cap counts it, and it can be reused); on CPU, MemAvailable."""
+    device = _device(device)
+    if device.type == 'cuda':
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device)
+    return device_total_memory(device)
 
 
 def physical_memory(device: DeviceLike) -> int:
@@ -258,7 +279,8 @@ def memory_cap(device: DeviceLike, budget: int) -> Iterator[MemoryCap]:
 class PeakMeter:
     """Peak memory of the work done since `reset()`, in the units a budget on the device counts.
 
-    CUDA: `torch.cuda.max_memory_allocated` (all of this process's tensors on the device).
+    CUDA: `torch.cuda.max_memory_reserved`, what the per-process fraction cap limits (tensors plus the allocator's
+    cached and fragmented segments).
     CPU (Linux): the highest VmData sampled since `reset()`, minus `baseline` (VmData when the cap was set).
 
     Args:
@@ -284,7 +306,7 @@ class PeakMeter:
     def peak(self) -> Optional[int]:
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
+            return torch.cuda.max_memory_reserved(self.device)
         if self._sampler is not None and self._sampler.alive():
             return max(0, self._sampler.stop() - self.baseline)
         return None

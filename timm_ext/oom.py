@@ -20,6 +20,10 @@ OOM_MESSAGES = (
     'cudnn_status_not_supported',             # cuDNN gives up when a batch needs too large a workspace
     'cublas_status_alloc_failed',             # cuBLAS handle/workspace allocation
     'cudnn_status_alloc_failed',
+    # cuDNN's frontend when no engine can get its workspace: an OOM in disguise under memory pressure
+    # (pytorch#108645). A missing or broken cuDNN library says the same; then every size down to 1 fails too, and
+    # the final error quotes this message, so that case costs a few quick retries, never a wrong answer.
+    'unable to find an engine',
 )
 
 # oneDNN (CPU convolutions) reports a failed allocation as a failure to create its primitive. Under a CPU data cap

@@ -8,24 +8,32 @@ or seen twice. The whole window is replayed, not just the failed micro-batch, be
 has already added part of its gradient to ``.grad``.
 
 Under DDP every rank must take the same decision at the same time, or one rank waits forever in a collective: while
-recovery is on, every rank shares a status after each piece (`agree_status`), all backward passes run without DDP's
-own gradient all-reduce, and the window's gradients are averaged explicitly once every rank is known to have
-finished it (`allreduce_gradients`).
+recovery is on, every backward runs without DDP's own gradient all-reduce (which launches collectives midway
+through a backward, where an OOM can strike on one rank alone), so a window holds no collective of its own. A rank
+that runs out of memory stops computing but walks the rest of the window (its batches are needed for the replay),
+then every rank shares one status per window (`agree_status`), and only once all are known to have finished it are
+the gradients averaged explicitly, in buckets as DDP does (`allreduce_gradients`). The cost against plain DDP is one
+small all-reduce and host sync per window, and the gradient all-reduce no longer overlapping the backward.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .oom import cpu_data_capped, should_retry
 
-__all__ = ['is_recoverable_oom', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory', 'RankFailed',
-           'agree_status', 'allreduce_gradients', 'split_batch', 'OK', 'OOM', 'FAILED']
+__all__ = ['is_recoverable_oom', 'sync_bn_problem', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory',
+           'RankFailed', 'agree_status', 'allreduce_gradients', 'gradient_buckets', 'split_batch', 'OK', 'OOM',
+           'FAILED', 'ALLREDUCE_BUCKET_BYTES']
 
-# per-rank status shared after each piece while recovery is on
+# per-rank status shared once per window while recovery is on
 OK, OOM, FAILED = 0, 1, 2
+
+# Gradients are all-reduced in buckets of about this size: DDP's own default (bucket_cap_mb=25), few enough
+# collectives that their latency does not count, small enough that the flat copies cost little memory.
+ALLREDUCE_BUCKET_BYTES = 25 * 2 ** 20
 
 
 def is_recoverable_oom(exc: BaseException, device: torch.device) -> bool:
@@ -33,6 +41,20 @@ def is_recoverable_oom(exc: BaseException, device: torch.device) -> bool:
     failure on a CPU whose data segment is capped (RLIMIT_DATA), which is how oneDNN reports an allocation failure.
     """
     return should_retry(exc, cpu_capped=device.type == 'cpu' and cpu_data_capped())
+
+
+def sync_bn_problem(oom_recover: bool, sync_bn: bool, world_size: int) -> Optional[str]:
+    """Why `--oom-recover` cannot run with `--sync-bn` here, or None when it can.
+
+    SyncBatchNorm all-gathers statistics inside every forward and backward of a process group: a rank that runs out
+    of memory alone would go to the OOM agreement while its peers wait in SyncBN's exchange (a hang, or on NCCL two
+    collectives mixed up).
+    """
+    if oom_recover and sync_bn and world_size > 1:
+        return ('--oom-recover cannot run with --sync-bn on several processes: SyncBatchNorm exchanges statistics '
+                'inside every step, where a rank that runs out of memory alone leaves the others waiting; drop '
+                '--sync-bn (--dist-bn reduce averages BN statistics after each epoch) or --oom-recover')
+    return None
 
 
 class OomRecoveryError(Exception):
@@ -138,18 +160,57 @@ class MicroBatchSplitter:
 
 
 def agree_status(status: int, rank: int, world_size: int, device: torch.device) -> List[int]:
-    """Every rank's status after a piece (OK / OOM / FAILED), the same list on all ranks (one small all-reduce)."""
+    """Every rank's status for a window (OK / OOM / FAILED), the same list on all ranks (one small all-reduce)."""
     flags = torch.zeros(world_size, dtype=torch.int32, device=device)
     flags[rank] = status
     dist.all_reduce(flags)
     return flags.tolist()
 
 
-def allreduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int) -> None:
+def gradient_buckets(grads: Sequence[torch.Tensor], bucket_bytes: int = ALLREDUCE_BUCKET_BYTES,
+                     ) -> List[List[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, grouped into buckets of at most `bucket_bytes` (a larger
+    gradient is a bucket alone). Every rank builds the same buckets from the same parameter order."""
+    buckets: List[List[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or (last[0].dtype, last[0].device) != (grad.dtype, grad.device) or size + nbytes > bucket_bytes:
+            buckets.append([grad])
+            size = nbytes
+        else:
+            last.append(grad)
+            size += nbytes
+    return buckets
+
+
+def _launch_bucket(bucket: List[torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+    """Start the all-reduce of one bucket: in place for a lone contiguous gradient, else of a flat copy."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        flat = bucket[0]
+    else:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+    return dist.all_reduce(flat, async_op=True), flat
+
+
+def _finish_bucket(work: Any, flat: torch.Tensor, bucket: List[torch.Tensor], world_size: int) -> None:
+    """Wait for a bucket's sum, make it the mean, and copy it back into the gradients if it was a copy."""
+    work.wait()
+    flat.div_(world_size)
+    if flat is not bucket[0]:
+        views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)]
+        torch._foreach_copy_(bucket, views)
+
+
+def allreduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int,
+                        bucket_bytes: int = ALLREDUCE_BUCKET_BYTES) -> None:
     """Average ``.grad`` over ranks in place (what DDP's synchronising backward does, done after it instead).
 
     Every trainable parameter takes part, in the same order on every rank: one without a gradient gets zeros, so
-    the collectives match even if a parameter was unused on some rank. In place, so it needs no extra memory.
+    the collectives match even if a parameter was unused on some rank. Gradients go in buckets (`gradient_buckets`),
+    one collective each, and the next bucket is flattened while the previous one is in flight: at most two flat
+    copies exist at a time.
     """
     grads = []
     for p in params:
@@ -157,7 +218,11 @@ def allreduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int) -
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    works = [dist.all_reduce(g, async_op=True) for g in grads]
-    for work in works:
-        work.wait()
-    torch._foreach_div_(grads, world_size)
+    in_flight = None
+    for bucket in gradient_buckets(grads, bucket_bytes):
+        launched = (*_launch_bucket(bucket), bucket)
+        if in_flight is not None:
+            _finish_bucket(*in_flight, world_size)
+        in_flight = launched
+    if in_flight is not None:
+        _finish_bucket(*in_flight, world_size)

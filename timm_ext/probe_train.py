@@ -8,6 +8,17 @@ the optimizer state) and a timed update, on random inputs of the largest size th
 device. Under DDP the trial adds a buffer the size of the gradients for DDP's gradient buckets but runs no
 collective inside the step, so a rank that fails alone cannot leave the others waiting.
 
+Three things differ from the run on purpose, each to keep a trial one honest, self-contained step:
+
+* `--sync-bn` is probed with plain BatchNorm: SyncBatchNorm all-gathers statistics in every forward and backward
+  once a process group exists, a collective inside the step; the memory differs only by those tiny buffers.
+* float16 AMP's loss scaler starts at `PROBE_LOSS_SCALE` (1), not 65536: a fresh scaler's first updates overflow
+  and skip the optimizer step, which then allocates no optimizer state and times a cheaper step than the run's.
+* `--torchcompile-mode` with CUDA graphs ('reduce-overhead', 'max-autotune') is probed without them
+  (`probe_compile_mode`): the graphs recorded for each batch size keep private memory pools that `empty_cache`
+  does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
+  but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
+
 `probe_train_batch` runs the whole probe: budget, cap, search, re-timing (throughput choice), choice.
 """
 import argparse
@@ -30,9 +41,27 @@ from .probe import (
 from .train_loop import LoopConfig, TrainLoop
 from .train_setup import SetupError, build_model, build_task, build_train_loss, resolve_model_dtype
 
-__all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch']
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
+           'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE']
 
 _logger = logging.getLogger(__name__)
+
+# Initial loss scale of the probe's float16 scaler: unscaled, an update overflows only when the run's would at any
+# scale, so no trial skips its optimizer step (gradients that underflow to zero cost the same step).
+PROBE_LOSS_SCALE = 1.0
+
+# torch.compile modes that record CUDA graphs, and the same compilation without them
+_CUDA_GRAPH_MODES = {'reduce-overhead': None, 'max-autotune': 'max-autotune-no-cudagraphs'}
+
+
+def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """A fresh loss scaler for a trial, starting at `PROBE_LOSS_SCALE` so its updates are not skipped."""
+    return torch.amp.GradScaler(device.type, init_scale=PROBE_LOSS_SCALE)
+
+
+def probe_compile_mode(mode: Optional[str]) -> Optional[str]:
+    """The torch.compile mode probe trials use for the run's `--torchcompile-mode`: the same, less CUDA graphs."""
+    return _CUDA_GRAPH_MODES.get(mode, mode)
 
 
 def probe_input_size(args: argparse.Namespace, data_config: dict) -> Tuple[int, ...]:
@@ -77,6 +106,8 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
         SetupError: The run cannot be built (unknown model, ...) or is a mode the probe does not cover (NaFlex).
     """
     args = copy.deepcopy(args)
+    sync_bn_asked = args.sync_bn and args.distributed
+    args.sync_bn = False  # no collective inside a trial; the memory is plain BN's but for SyncBN's tiny buffers
     if getattr(args, 'naflex_loader', False):
         raise SetupError('--naflex-loader runs take variable patch sequences; the probe covers fixed-size inputs, '
                          'so pass -b/--batch-size yourself')
@@ -92,10 +123,11 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     if args.model_ema:
         task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
                        device='cpu' if args.model_ema_force_cpu else None)
+    compile_mode = probe_compile_mode(args.torchcompile_mode)
     if args.torchcompile:
-        task.compile(backend=args.torchcompile, mode=args.torchcompile_mode)
+        task.compile(backend=args.torchcompile, mode=compile_mode)
         if task.has_ema():
-            task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
+            task.compile_ema(backend=args.torchcompile, mode=compile_mode)
     loop = TrainLoop(
         task, optimizer,
         LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
@@ -128,11 +160,14 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     def reset() -> None:
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
-        loop.grad_scaler = torch.amp.GradScaler(device.type) if amp.use_grad_scaler else None
+        loop.grad_scaler = probe_grad_scaler(device) if amp.use_grad_scaler else None
 
     precision = f'AMP {amp.dtype}'.replace('torch.', '') if amp.enabled else str(model_dtype or 'float32')
+    graphs_dropped = bool(args.torchcompile) and compile_mode != args.torchcompile_mode
     extras = [x for x, on in (('channels_last', args.channels_last), ('grad checkpointing', args.grad_checkpointing),
-                              ('EMA', args.model_ema), ('torch.compile', args.torchcompile)) if on]
+                              ('EMA', args.model_ema), ('torch.compile', args.torchcompile),
+                              ('no CUDA graphs in trials', graphs_dropped),
+                              ('SyncBN probed as BN', sync_bn_asked)) if on]
     describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
                 + (', ' + ', '.join(extras) if extras else ''))
     return TrainTrialSetup(step, reset, tuple(input_size), describe, device)

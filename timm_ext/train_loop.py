@@ -12,7 +12,8 @@ samples), :meth:`TrainLoop.optimizer_update` sees a window's complete gradient b
 
 Two options build on them. OOM recovery (``oom_recover``, `timm_ext.oom_recovery`): a window that runs out of memory
 is replayed with each loader batch cut into twice as many pieces, each weighted by its share of the batch, so the
-update is the same mean over the same samples. Noise scale (``log_noise_scale``, `timm_ext.noise_monitor`): each
+update is the same mean over the same samples; under DDP the ranks agree once per window and all-reduce the
+window's gradients themselves, in buckets. Noise scale (``log_noise_scale``, `timm_ext.noise_monitor`): each
 micro-batch's and the window's gradient norms feed a B_simple estimate, with no extra passes.
 """
 import logging
@@ -45,6 +46,20 @@ _logger = logging.getLogger('train')
 # batch size varies on purpose (each micro-batch counts 1, n / reference or sqrt(n / reference), divided by the
 # window length).
 LOSS_WEIGHTINGS = ('samples', 'none', 'linear', 'sqrt')
+
+
+@dataclass(frozen=True)
+class PieceFailure:
+    """How a piece of a window failed under OOM recovery (kept until the window's agreement).
+
+    Attributes:
+        status: OOM or FAILED.
+        reason: The first line of an OOM's message ('' for other errors).
+        error: The exception of a FAILED piece, raised once the peers know (None for an OOM: its frames are freed).
+    """
+    status: int
+    reason: str = ''
+    error: Optional[BaseException] = None
 
 
 @dataclass
@@ -198,30 +213,49 @@ class TrainLoop:
             scaled.backward(create_graph=self.second_order)
         return loss.detach()
 
-    def _protected_forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool) -> torch.Tensor:
-        """`forward_backward` that turns an OOM (on this rank, or under DDP on any) into `WindowOutOfMemory`."""
-        status, reason, error = OK, '', None
+    def _try_forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool,
+                              ) -> Tuple[Optional[torch.Tensor], Optional[PieceFailure]]:
+        """`forward_backward`, returning (loss, None), or (None, the failure) for an OOM and, under DDP, for any
+        error: the peers learn of it at the window's agreement (`_settle_window`)."""
         try:
-            loss = self.forward_backward(input, target, weight, sync)
+            return self.forward_backward(input, target, weight, sync), None
         except Exception as e:
             if not is_recoverable_oom(e, self.cfg.device):
                 if not self.cfg.distributed:
                     raise
-                status, error = FAILED, e
-            else:
-                status, reason = OOM, ' '.join(str(e).split())[:200] or type(e).__name__
-                traceback.clear_frames(e.__traceback__)  # its frames hold the failed attempt's activations
-        statuses = [status]
-        if self.cfg.distributed:
-            statuses = agree_status(status, self.cfg.rank, self.cfg.world_size, self.cfg.device)
-        if error is not None:
-            raise error
+                return None, PieceFailure(FAILED, '', e)
+            traceback.clear_frames(e.__traceback__)  # its frames hold the failed attempt's activations
+            return None, PieceFailure(OOM, ' '.join(str(e).split())[:200] or type(e).__name__)
+
+    def _settle_window(self, failure: Optional[PieceFailure]) -> None:
+        """Raise for a window that failed anywhere: under DDP after the window's one status all-reduce, so that every
+        rank takes the same decision (`WindowOutOfMemory` to replay it, `RankFailed` to stop)."""
+        if not self.cfg.distributed:
+            if failure is not None:
+                raise WindowOutOfMemory([0], failure.reason)
+            return
+        status = OK if failure is None else failure.status
+        statuses = agree_status(status, self.cfg.rank, self.cfg.world_size, self.cfg.device)
+        if failure is not None and failure.error is not None:
+            raise failure.error
         if FAILED in statuses:
             raise RankFailed(f'rank {statuses.index(FAILED)} failed with an error (see its log); rank '
                              f'{self.cfg.rank} stops too')
         if OOM in statuses:
-            raise WindowOutOfMemory([r for r, s in enumerate(statuses) if s == OOM], reason)
-        return loss
+            raise WindowOutOfMemory([r for r, s in enumerate(statuses) if s == OOM],
+                                    failure.reason if failure is not None else '')
+
+    def _arm_buffer_sync(self) -> None:
+        """With the explicit all-reduce, have DDP broadcast rank 0's buffers in the first forward of each window pass.
+
+        Every forward then runs under `no_sync`, and DDP broadcasts buffers in a forward only after one that synced
+        gradients: left alone it would broadcast in the run's first forward only, and once more on a rank whose first
+        forward failed (its flag was never cleared) but not on its peers, a collective only one side joins. Armed
+        per pass, the broadcast comes where stock DDP has it (each window's first forward), on every rank alike.
+        """
+        module = self.task.get_trainable_module()
+        if self.explicit_allreduce and isinstance(module, nn.parallel.DistributedDataParallel):
+            module.require_forward_param_sync = True
 
     # ---- one window ---------------------------------------------------------------------------------------------
 
@@ -295,6 +329,8 @@ class TrainLoop:
         cfg = self.cfg
         loss_sum = torch.zeros((), device=cfg.device)
         samples = 0
+        failure: Optional[PieceFailure] = None  # this rank's first failed piece (OOM recovery only)
+        self._arm_buffer_sync()
         for pos in range(window_len):
             if pos < len(kept):
                 input, target = kept[pos]
@@ -305,7 +341,10 @@ class TrainLoop:
                 if self.splitter is not None:
                     kept.append((input, target))
             num_samples = batch_len(input)
-            weight = self.loss_weight(num_samples, window_len)
+            weight = self.loss_weight(num_samples, window_len)  # a collective with NaFlex under DDP: every rank
+            samples += num_samples
+            if failure is not None:
+                continue  # failed under DDP: walk on, the replay needs these batches and the peers are still at it
             pieces = [(input, target)] if self.splitter is None else self.splitter.split(input, target, num_samples)
             for i, (piece, piece_target) in enumerate(pieces):
                 piece_samples = batch_len(piece)
@@ -316,11 +355,16 @@ class TrainLoop:
                 if self.splitter is None:
                     loss = self.forward_backward(piece, piece_target, piece_weight, sync)
                 else:
-                    loss = self._protected_forward_backward(piece, piece_target, piece_weight, sync)
+                    loss, failure = self._try_forward_backward(piece, piece_target, piece_weight, sync)
+                    if failure is not None:
+                        break
                 if self.noise is not None:
                     self.noise.after_backward(piece_samples, piece_weight)
                 loss_sum += loss * piece_samples
-            samples += num_samples
+            if failure is not None and not cfg.distributed:
+                break  # one process: nobody to wait for, replay now
+        if self.splitter is not None:
+            self._settle_window(failure)
         if self.explicit_allreduce:
             allreduce_gradients(self.params, cfg.world_size)
         return loss_sum, samples, input

@@ -23,6 +23,7 @@ from timm.utils import accuracy, random_seed, reparameterize_model, set_jit_fuse
 
 from .amp import AmpChoice, resolve_amp
 from .batch_decay import batch_descent, decay_batch_step
+from .distributed import DeviceError, check_cuda_index
 from .hub import is_download_error, pretrained_unavailable
 from .memory import PeakMeter, data_and_stack, free_memory
 from .metrics import precision_recall_f1
@@ -56,6 +57,14 @@ def resolve_device(name: str) -> torch.device:
     if device.type == 'cuda' and not torch.cuda.is_available():
         _logger.warning(f'CUDA is not available here: validating on the CPU instead of {name}.')
         return torch.device('cpu')
+    if device.type == 'cuda':
+        try:
+            check_cuda_index(name)
+        except DeviceError as e:
+            raise ValidationError(str(e)) from None
+        if device.index is not None:
+            # work that names no index (library handles, 'cuda' tensors) then lands on this device, not on GPU 0
+            torch.cuda.set_device(device)
     try:
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as e:
@@ -387,7 +396,7 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
             _release(e, em.device)
             del loader
             if not smaller:
-                raise ValidationError(f'{em.name} runs out of memory even at batch size 1') from None
+                raise ValidationError(f'{em.name} runs out of memory even at batch size 1 ({one_line(e)})') from None
             batch_size = smaller
 
 
