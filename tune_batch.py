@@ -64,6 +64,7 @@ from timm_ext.tune_plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
     tuned_config_text,
 )
+from timm_ext.tune_plot import write_probe_plot
 
 _logger = logging.getLogger('tune_batch')
 
@@ -388,6 +389,10 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
         atomic_text(tuned_config_text(values, report + ['', 'Train with: ' + shell_line(command)]), config_path)
         print(f'Config: {config_path}')
+        plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
+                                tuned.plan.micro_batch, tuned.choice)
+        if plot:
+            print(f'Plot: {plot}')
         print(f'Train command: {shell_line(command)}', flush=True)
     if args.distributed:
         dist.barrier()

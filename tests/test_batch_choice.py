@@ -127,3 +127,15 @@ def test_bootstrap_of_noisy_windows_is_wide_or_not_positive():
     b, low, high = bootstrap_noise_scale(windows)
     assert math.isinf(high) or high / low > 10
     assert all(math.isnan(v) for v in bootstrap_noise_scale([]))
+
+
+def test_probe_plot_is_written_with_both_panels(tmp_path):
+    from timm_ext.probe import FIT, OOM, Trial
+    from timm_ext.tune_plot import write_probe_plot
+    trials = [Trial(64, FIT, peak_bytes=2 ** 27, ms_per_step=60.0, samples_per_s=1066.0, accepted=True),
+              Trial(128, FIT, peak_bytes=2 ** 28, ms_per_step=110.0, samples_per_s=1163.0, accepted=True),
+              Trial(256, OOM, error='DefaultCPUAllocator: can\'t allocate memory')]
+    choice = choose_global_batch((64, 1), {64: 1066.0, 128: 2163.0}, noise=noise(20_000), **BIG)
+    assert len(choice.candidates) == 2
+    path = write_probe_plot(str(tmp_path / 'probe.png'), trials, 128, choice)
+    assert path and (tmp_path / 'probe.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
