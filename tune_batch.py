@@ -10,8 +10,8 @@ for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML conf
 reads with `-c`, print a report and the train command, then become it unless `--dry-run` (`os.execv`, same PID: no
 model, allocator cache or CUDA context of the probe outlives it; `timm_ext.handover`). With `--nproc N` the probe
 runs on N ranks under torchrun (each rank probes; they agree on the smallest), and once they have exited this
-process becomes distributed_train.sh. With `--select critical` a short warm-up of the run at the probed micro-batch estimates the
-gradient noise scale, and the global batch nearest to it is planned instead (`timm_ext.critical_batch`).
+process becomes distributed_train.sh. With `--select critical` a short warm-up of the run at the probed micro-batch
+estimates the gradient noise scale, and the global batch nearest to it is planned instead (`timm_ext.critical_batch`).
 """
 import argparse
 import copy
