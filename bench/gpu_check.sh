@@ -42,7 +42,13 @@ MODEL=(--model resnet50 --img-size 224 --num-classes 3 --amp)
 LOADER=(-j 14 --pin-mem --no-aug)  # the loader must outpace the GPU, or samples/s measure the CPU
 ONE_EPOCH=(--epochs 1 --val-split '' --warmup-epochs 0)
 # run a script under a CUDA memory fraction: argv = fraction script args...
-FRACTION='import os, runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv[1])); sys.argv = sys.argv[2:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name="__main__")'
+FRACTION='import os, runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv[1])); '
+FRACTION+='sys.argv = sys.argv[2:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); '
+FRACTION+='runpy.run_path(sys.argv[0], run_name="__main__")'
+# write the data set: argv = repo folder, data folder
+GENERATE='import sys; sys.path.insert(0, sys.argv[1]); from timm_ext.synthetic_data import make_image_folder as m; '
+GENERATE+="m(sys.argv[2], 64, $TRAIN_PER_CLASS, splits=('train',)); "
+GENERATE+="m(sys.argv[2], 64, $VAL_PER_CLASS, splits=('validation',))"
 
 declare -a ROWS=()
 FAILED=0
@@ -105,8 +111,9 @@ if [ "$DRY_RUN" = 0 ]; then
 fi
 
 # ---- data -----------------------------------------------------------------------------------------------------------
-if run data 120 "$PY" -c "import sys; sys.path.insert(0, sys.argv[1]); from timm_ext.synthetic_data import make_image_folder as m; m(sys.argv[2], 64, $TRAIN_PER_CLASS, splits=('train',)); m(sys.argv[2], 64, $VAL_PER_CLASS, splits=('validation',))" "$REPO" "$DATA"; then
-  [ "$DRY_RUN" = 1 ] || row data ok "$ELAPSED" "$((3 * TRAIN_PER_CLASS)) train / $((3 * VAL_PER_CLASS)) validation images, 64 px"
+if run data 120 "$PY" -c "$GENERATE" "$REPO" "$DATA"; then
+  IMAGES="$((3 * TRAIN_PER_CLASS)) train / $((3 * VAL_PER_CLASS)) validation images, 64 px"
+  [ "$DRY_RUN" = 1 ] || row data ok "$ELAPSED" "$IMAGES"
 else
   row data FAIL "$ELAPSED" "see $OUT/data.log"
 fi
@@ -120,7 +127,8 @@ if run tune_max 300 "${TUNE[@]}" --select max --tuned-config "$OUT/tune-max.yaml
   if [ "$DRY_RUN" = 0 ]; then
     TUNED_B=$(yaml_value "$OUT/tune-max.yaml" batch_size)
     if TUNED_RATE=$(rate "$OUT/tune_max.log" "$TUNED_B" 1); then
-      row 'tune max' ok "$ELAPSED" "micro-batch $TUNED_B ($(trial_count "$OUT/tune_max.log") trials); trained at $TUNED_RATE samples/s"
+      TRIALS=$(trial_count "$OUT/tune_max.log")
+      row 'tune max' ok "$ELAPSED" "micro-batch $TUNED_B ($TRIALS trials); trained at $TUNED_RATE samples/s"
     else
       row 'tune max' FAIL "$ELAPSED" "micro-batch $TUNED_B, but no samples/s: $TUNED_RATE"; TUNED_RATE=''
     fi
@@ -131,7 +139,10 @@ fi
 
 # ---- tune_batch --select throughput ----------------------------------------------------------------------------------
 if run tune_tput 300 "${TUNE[@]}" --select throughput --tuned-config "$OUT/tune-throughput.yaml" --dry-run; then
-  [ "$DRY_RUN" = 1 ] || row 'tune tput' ok "$ELAPSED" "micro-batch $(yaml_value "$OUT/tune-throughput.yaml" batch_size) ($(trial_count "$OUT/tune_tput.log") trials)"
+  if [ "$DRY_RUN" = 0 ]; then
+    TPUT_B=$(yaml_value "$OUT/tune-throughput.yaml" batch_size)
+    row 'tune tput' ok "$ELAPSED" "micro-batch $TPUT_B ($(trial_count "$OUT/tune_tput.log") trials)"
+  fi
 else
   row 'tune tput' FAIL "$ELAPSED" "see $OUT/tune_tput.log"
 fi
@@ -143,7 +154,9 @@ if run train_b128 240 "$PY" "$REPO/train.py" --data-dir "$DATA" "${MODEL[@]}" -b
     if STOCK_RATE=$(rate "$OUT/train_b128.log" 128 1); then
       row 'train b128' ok "$ELAPSED" "$STOCK_RATE samples/s"
       if [ -n "$TUNED_RATE" ]; then
-        row speed-up - - "$("$PY" -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}x')" "$TUNED_RATE" "$STOCK_RATE") samples/s at micro-batch $TUNED_B over -b 128 (the seed promised 3x)"
+        RATIO=$("$PY" -c 'import sys; print(f"{float(sys.argv[1]) / float(sys.argv[2]):.2f}x")' "$TUNED_RATE" \
+          "$STOCK_RATE")
+        row speed-up - - "$RATIO samples/s at micro-batch $TUNED_B over -b 128 (the seed promised 3x)"
       fi
     else
       row 'train b128' FAIL "$ELAPSED" "no samples/s: $STOCK_RATE"
@@ -153,12 +166,12 @@ else
   row 'train b128' FAIL "$ELAPSED" "see $OUT/train_b128.log"
 fi
 
-# ---- validate.py --retry -b 4096 under a memory fraction ---------------------------------------------------------------
+# ---- validate.py --retry -b 4096 under a memory fraction -------------------------------------------------------------
 if run validate 240 "$PY" -c "$FRACTION" 0.05 "$REPO/validate.py" --data-dir "$DATA" --model resnet50 --img-size 224 \
     --amp --checkpoint "$RUNS/b128/last.pth.tar" --retry -b 4096 -j 14; then
   if [ "$DRY_RUN" = 0 ]; then
     PROBED=$(grep -o 'Batch-size probe: .*' "$OUT/validate.log" | tail -1)
-    if grep -q 'Batch-size probe: .*OOM' "$OUT/validate.log"; then
+    if grep -Eq 'Batch-size probe: .*[0-9]+ OOM' "$OUT/validate.log"; then  # not 'no OOM'
       row validate ok "$ELAPSED" "${PROBED#Batch-size probe: }"
     else
       row validate FAIL "$ELAPSED" "the fraction did not bind: ${PROBED:-no probe line}"
@@ -190,7 +203,9 @@ if run noise_fp16 240 "$PY" "$REPO/train.py" --data-dir "$DATA" "${MODEL[@]}" --
   if [ "$DRY_RUN" = 0 ]; then
     CSV="$RUNS/noise/noise_scale.csv"
     if [ -f "$CSV" ]; then
-      row 'noise fp16' ok "$ELAPSED" "$(tail -1 "$CSV" | cut -d, -f2,5 | sed 's/\(.*\),\(.*\)/B_simple \1 from \2 batch pairs/')"
+      READING=$(tail -1 "$CSV" | cut -d, -f2,5 | { IFS=, read -r b pairs; printf 'B_simple %.0f from %s batch pairs' \
+        "$b" "$pairs"; })
+      row 'noise fp16' ok "$ELAPSED" "$READING"
     else
       row 'noise fp16' FAIL "$ELAPSED" "no $CSV"
     fi

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_oom_recovery import Wide, wide_batches  # noqa: E402
 from timm_ext import train_loop as train_loop_module  # noqa: E402
 from timm_ext.memory import memory_cap  # noqa: E402
-from timm_ext.oom_recovery import allreduce_gradients, gradient_buckets  # noqa: E402
+from timm_ext.oom_recovery import GradientAllReduce  # noqa: E402
 from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
 
 CPU = torch.device('cpu')
@@ -35,27 +35,31 @@ def bucketed_allreduce(rank: int) -> dict:
     shapes = [((4, 3, 2, 2), torch.float32), ((7,), torch.float32), ((300,), torch.float32), ((5,), torch.float64),
               ((2, 2), torch.float32), ((3,), torch.float32)]
     params = [nn.Parameter(torch.randn(shape, dtype=dtype)) for shape, dtype in shapes]
+    params[0].data = params[0].data.contiguous(memory_format=torch.channels_last)  # a channels_last conv weight
     bases = [torch.randn_like(p) for p in params]
+    expected = [base * 1.5 for base in bases]  # the mean of 1x and 2x
+    expected[4] = bases[4]  # unused on rank 0: (0 + 2x) / 2
+    reduce = GradientAllReduce(params, 2, bucket_bytes=64)  # 16 float32: several buckets, larger gradients alone
+    buffered = reduce.buffer_elements
     for p, base in zip(params, bases):
-        p.grad = base * (rank + 1)
-    params[0].grad = params[0].grad.contiguous(memory_format=torch.channels_last)  # a conv weight's layout
-    params[4].grad = None  # unused on this rank: counts as zeros
-    if rank == 1:
-        params[4].grad = bases[4] * 2
-    expected = [base * 1.5 for base in bases]
-    expected[4] = bases[4]  # (0 + 2) / 2
+        p.grad = base * (rank + 1)  # randn_like kept the parameter layouts
+    if rank == 0:
+        params[4].grad = None
     calls = []
     real = dist.all_reduce
     dist.all_reduce = lambda tensor, *a, **k: (calls.append(tensor.numel()), real(tensor, *a, **k))[1]
     try:
-        allreduce_gradients(params, 2, bucket_bytes=64)  # 16 float32: several buckets, one gradient larger alone
+        reduce()
     finally:
         dist.all_reduce = real
     return {
         'max_error': max((p.grad.double() - e.double()).abs().max().item() for p, e in zip(params, expected)),
         'collectives': len(calls),
-        'buckets': len(gradient_buckets([p.grad for p in params], 64)),
+        'buckets': len(reduce.buckets),
         'params': len(params),
+        'buffered': buffered,
+        'largest_copied_bucket': max(sum(p.numel() for p in b) for b in reduce.buckets
+                                     if len(b) > 1 or not b[0].is_contiguous()),
         'channels_last_kept': params[0].grad.is_contiguous(memory_format=torch.channels_last),
     }
 

@@ -31,6 +31,9 @@ def test_gradients_are_averaged_in_buckets(ranks):
         assert buckets['max_error'] < 1e-6
         assert buckets['collectives'] == buckets['buckets'] < buckets['params']  # one collective per bucket
         assert buckets['channels_last_kept']
+        # two buffers made up front, the size of the largest bucket copied through them (float32 only: the float64
+        # gradient is alone and contiguous, reduced in place)
+        assert buckets['buffered'] == 2 * buckets['largest_copied_bucket'] == 2 * 48  # the channels_last weight
 
 
 def test_ranks_agree_once_per_window_not_per_micro_batch(ranks):

@@ -38,7 +38,8 @@ import torch
 
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
-    'device_available_memory', 'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status', 'data_and_stack',
+    'device_available_memory', 'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status',
+    'data_and_stack',
 ]
 
 _logger = logging.getLogger(__name__)

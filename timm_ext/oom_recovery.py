@@ -9,11 +9,13 @@ has already added part of its gradient to ``.grad``.
 
 Under DDP every rank must take the same decision at the same time, or one rank waits forever in a collective: while
 recovery is on, every backward runs without DDP's own gradient all-reduce (which launches collectives midway
-through a backward, where an OOM can strike on one rank alone), so a window holds no collective of its own. A rank
-that runs out of memory stops computing but walks the rest of the window (its batches are needed for the replay),
-then every rank shares one status per window (`agree_status`), and only once all are known to have finished it are
-the gradients averaged explicitly, in buckets as DDP does (`allreduce_gradients`). The cost against plain DDP is one
-small all-reduce and host sync per window, and the gradient all-reduce no longer overlapping the backward.
+through a backward, where an OOM can strike on one rank alone). A rank that runs out of memory stops computing but
+walks the rest of the window (its batches are needed for the replay), so the only collectives inside a window are
+ones every rank reaches anyway: DDP's buffer broadcast before the window's first forward, NaFlex's sample count per
+batch. Then every rank shares one status per window (`agree_status`), and only once all are known to have finished
+it are the gradients averaged explicitly, in buckets as DDP does, through buffers made before training
+(`GradientAllReduce`). The cost against plain DDP is one small all-reduce and host sync per window, and the gradient
+all-reduce no longer overlapping the backward.
 """
 import math
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from .oom import cpu_data_capped, should_retry
 
 __all__ = ['is_recoverable_oom', 'sync_bn_problem', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory',
-           'RankFailed', 'agree_status', 'allreduce_gradients', 'gradient_buckets', 'split_batch', 'OK', 'OOM',
+           'RankFailed', 'agree_status', 'GradientAllReduce', 'gradient_buckets', 'split_batch', 'OK', 'OOM',
            'FAILED', 'ALLREDUCE_BUCKET_BYTES']
 
 # per-rank status shared once per window while recovery is on
@@ -167,62 +169,101 @@ def agree_status(status: int, rank: int, world_size: int, device: torch.device) 
     return flags.tolist()
 
 
-def gradient_buckets(grads: Sequence[torch.Tensor], bucket_bytes: int = ALLREDUCE_BUCKET_BYTES,
+def gradient_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int = ALLREDUCE_BUCKET_BYTES,
                      ) -> List[List[torch.Tensor]]:
-    """Consecutive gradients of one dtype and device, grouped into buckets of at most `bucket_bytes` (a larger
-    gradient is a bucket alone). Every rank builds the same buckets from the same parameter order."""
+    """Consecutive tensors (parameters or their gradients) of one dtype and device, grouped into buckets of at most
+    `bucket_bytes` (a larger one is a bucket alone). Every rank builds the same buckets from the same parameters."""
     buckets: List[List[torch.Tensor]] = []
     size = 0
-    for grad in grads:
-        nbytes = grad.numel() * grad.element_size()
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
         last = buckets[-1] if buckets else None
-        if last is None or (last[0].dtype, last[0].device) != (grad.dtype, grad.device) or size + nbytes > bucket_bytes:
-            buckets.append([grad])
+        if last is None or (last[0].dtype, last[0].device) != (tensor.dtype, tensor.device) or (
+                size + nbytes > bucket_bytes):
+            buckets.append([tensor])
             size = nbytes
         else:
-            last.append(grad)
+            last.append(tensor)
             size += nbytes
     return buckets
 
 
-def _launch_bucket(bucket: List[torch.Tensor]) -> Tuple[Any, torch.Tensor]:
-    """Start the all-reduce of one bucket: in place for a lone contiguous gradient, else of a flat copy."""
-    if len(bucket) == 1 and bucket[0].is_contiguous():
-        flat = bucket[0]
-    else:
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-    return dist.all_reduce(flat, async_op=True), flat
+class GradientAllReduce:
+    """Averages the gradients of `params` over ranks in place, in buckets: what DDP's synchronising backward does,
+    done after the backward instead.
 
+    Every trainable parameter takes part, in the same order on every rank: one without a gradient gets zeros, so the
+    collectives match even if a parameter was unused on some rank. A bucket is one collective; the next is copied
+    into its flat buffer while the previous one is in flight. The buffers (two per dtype, the size of the largest
+    bucket that needs one) are allocated here, before training takes the memory, and reused: an all-reduce that
+    allocated could run out of memory on one rank after its peers had entered the collective, a hang no agreement
+    can prevent. A lone contiguous gradient is reduced in place, without a buffer.
 
-def _finish_bucket(work: Any, flat: torch.Tensor, bucket: List[torch.Tensor], world_size: int) -> None:
-    """Wait for a bucket's sum, make it the mean, and copy it back into the gradients if it was a copy."""
-    work.wait()
-    flat.div_(world_size)
-    if flat is not bucket[0]:
-        views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)]
-        torch._foreach_copy_(bucket, views)
-
-
-def allreduce_gradients(params: Iterable[torch.nn.Parameter], world_size: int,
-                        bucket_bytes: int = ALLREDUCE_BUCKET_BYTES) -> None:
-    """Average ``.grad`` over ranks in place (what DDP's synchronising backward does, done after it instead).
-
-    Every trainable parameter takes part, in the same order on every rank: one without a gradient gets zeros, so
-    the collectives match even if a parameter was unused on some rank. Gradients go in buckets (`gradient_buckets`),
-    one collective each, and the next bucket is flattened while the previous one is in flight: at most two flat
-    copies exist at a time.
+    Args:
+        params: The trainable parameters (the model's layout, channels_last included, already applied).
+        world_size: Number of ranks.
+        bucket_bytes: Bucket size.
     """
-    grads = []
-    for p in params:
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-    in_flight = None
-    for bucket in gradient_buckets(grads, bucket_bytes):
-        launched = (*_launch_bucket(bucket), bucket)
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], world_size: int,
+                 bucket_bytes: int = ALLREDUCE_BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size = world_size
+        self.buckets = gradient_buckets(self.params, bucket_bytes)
+        sizes: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        for bucket in self.buckets:
+            if len(bucket) > 1 or not bucket[0].is_contiguous():  # gradients take their parameter's layout
+                key = (bucket[0].dtype, bucket[0].device)
+                sizes[key] = max(sizes.get(key, 0), sum(p.numel() for p in bucket))
+        self._buffers = {key: [torch.empty(n, dtype=key[0], device=key[1]) for _ in range(2)]
+                         for key, n in sizes.items()}
+        self._next = {key: 0 for key in sizes}
+
+    @property
+    def buffer_elements(self) -> int:
+        """Elements held in flat buffers (for tests and memory accounting)."""
+        return sum(b.numel() for pair in self._buffers.values() for b in pair)
+
+    def _flat(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The flat buffer a bucket goes through: the next of its dtype's two, or (a layout not foreseen when the
+        buffers were made) a fresh one."""
+        numel = sum(g.numel() for g in grads)
+        key = (grads[0].dtype, grads[0].device)
+        pair = self._buffers.get(key)
+        if pair is None or pair[0].numel() < numel:
+            return torch.empty(numel, dtype=key[0], device=key[1])
+        turn = self._next[key]
+        self._next[key] = 1 - turn
+        return pair[turn][:numel]
+
+    def _launch(self, grads: List[torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+        if len(grads) == 1 and grads[0].is_contiguous():
+            flat = grads[0]
+        else:
+            flat = self._flat(grads)
+            views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+            torch._foreach_copy_(views, grads)
+        return dist.all_reduce(flat, async_op=True), flat
+
+    def _finish(self, work: Any, flat: torch.Tensor, grads: List[torch.Tensor]) -> None:
+        """Wait for a bucket's sum, make it the mean, and copy it back into the gradients if it went through a copy."""
+        work.wait()
+        flat.div_(self.world_size)
+        if flat is not grads[0]:
+            views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+            torch._foreach_copy_(grads, views)
+
+    def __call__(self) -> None:
+        in_flight = None
+        for bucket in self.buckets:
+            grads = []
+            for p in bucket:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            launched = (*self._launch(grads), grads)
+            if in_flight is not None:
+                self._finish(*in_flight)
+            in_flight = launched
         if in_flight is not None:
-            _finish_bucket(*in_flight, world_size)
-        in_flight = launched
-    if in_flight is not None:
-        _finish_bucket(*in_flight, world_size)
+            self._finish(*in_flight)

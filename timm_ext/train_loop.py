@@ -35,8 +35,8 @@ from .distributed import reduce_mean, reduce_sum
 from .memory import free_memory
 from .noise_monitor import NoiseScaleMonitor, NoiseScaleSummary
 from .oom_recovery import (
-    FAILED, OK, OOM, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory, agree_status,
-    allreduce_gradients, is_recoverable_oom,
+    FAILED, OK, OOM, GradientAllReduce, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory,
+    agree_status, is_recoverable_oom,
 )
 
 _logger = logging.getLogger('train')
@@ -160,6 +160,7 @@ class TrainLoop:
             self.splitter = MicroBatchSplitter(max(1, round(cfg.batch_size)), cfg.oom_grow_back)
         # under DDP, recovery needs every backward local and one explicit all-reduce once all ranks are through
         self.explicit_allreduce = cfg.oom_recover and cfg.distributed
+        self.gradient_allreduce = GradientAllReduce(self.params, cfg.world_size) if self.explicit_allreduce else None
         self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
         self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
         self.window_replays = 0  # times the last window was replayed after an OOM
@@ -365,8 +366,8 @@ class TrainLoop:
                 break  # one process: nobody to wait for, replay now
         if self.splitter is not None:
             self._settle_window(failure)
-        if self.explicit_allreduce:
-            allreduce_gradients(self.params, cfg.world_size)
+        if self.gradient_allreduce is not None:
+            self.gradient_allreduce()
         return loss_sum, samples, input
 
     def _recover(self, oom: WindowOutOfMemory, where: str) -> None:
