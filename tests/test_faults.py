@@ -179,6 +179,26 @@ def test_killed_rank_ends_the_other_within_bounded_time(long_folder, tmp_path):
     load_training_checkpoint(out / 'run' / 'last.pth.tar')
 
 
+def test_sigterm_to_torchrun_stops_both_ranks_after_the_same_update(long_folder, tmp_path):
+    out = tmp_path / 'out'
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', str(REPO_ROOT / 'train.py'),
+         '--data-dir', str(long_folder), '--output', str(out), '--experiment', 'run', *BASE, '--epochs', '100'],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    try:
+        wait_for(lambda: (out / 'run' / 'last.pth.tar').exists(), 180, 'the first epoch checkpoint')
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    ours = [line for line in err.splitlines() if line.startswith('train.py:')]
+    assert len(ours) == 2 and all('stopped by SIGTERM after epoch' in line for line in ours), err[-3000:]
+    assert len({line.split('; resume')[0] for line in ours}) == 1, 'both ranks stopped after the same update'
+    recovery = Path(next(line for line in ours if '--resume' in line).rsplit('--resume ', 1)[1])
+    assert load_training_checkpoint(recovery)['updates_done'] >= 1
+
+
 # ---- the probe cache ---------------------------------------------------------------------------------------------
 
 KEY = {'model': 'test_resnet', 'budget': 1}
