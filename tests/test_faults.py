@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -117,24 +119,31 @@ def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, s
     assert summary_epochs(run / 'summary.csv') == [0, 1, 2, 3, 4]
 
 
-# ---- SIGTERM and SIGINT ------------------------------------------------------------------------------------------
+# ---- SIGTERM, SIGINT, and a DDP rank killed --------------------------------------------------------------------------
 
-def start_training(data: Path, out: Path, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO_ROOT / 'train.py'), '--data-dir', str(data), '--output',
-                             str(out), '--experiment', 'run', *BASE, *map(str, extra)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=out.parent)
+@contextmanager
+def training_after_first_epoch(data: Path, out: Path, ranks: int = 1) -> Iterator[subprocess.Popen]:
+    """A long train.py run (torchrun with `ranks` > 1), yielded once its first epoch is saved; killed at the end."""
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ['-m', 'torch.distributed.run', f'--nproc_per_node={ranks}']
+    proc = subprocess.Popen(
+        [*launcher, str(REPO_ROOT / 'train.py'), '--data-dir', str(data), '--output', str(out),
+         '--experiment', 'run', *BASE, '--epochs', '100'],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=out.parent)
+    try:
+        wait_for(lambda: (out / 'run' / 'last.pth.tar').exists(), 180, 'the first epoch checkpoint')
+        yield proc
+    finally:
+        proc.kill()
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
 def test_signal_stops_after_an_update_with_a_resumable_checkpoint(long_folder, tmp_path, signum):
     out = tmp_path / 'out'
-    proc = start_training(long_folder, out, '--epochs', '100')
-    try:
-        wait_for(lambda: (out / 'run' / 'last.pth.tar').exists(), 120, 'the first epoch checkpoint')
+    with training_after_first_epoch(long_folder, out) as proc:
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
     assert proc.returncode == 128 + signum, err[-3000:]
     lines = error_lines(err)
     assert len(lines) == 1 and f'stopped by {signal.Signals(signum).name} after epoch' in lines[0], lines
@@ -152,46 +161,27 @@ def test_signal_stops_after_an_update_with_a_resumable_checkpoint(long_folder, t
     assert summary_epochs(out / 'run' / 'summary.csv') == list(range(epoch + 1))
 
 
-# ---- a DDP rank killed -------------------------------------------------------------------------------------------
-
 def test_killed_rank_ends_the_other_within_bounded_time(long_folder, tmp_path):
     out = tmp_path / 'out'
-    out.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', str(REPO_ROOT / 'train.py'),
-         '--data-dir', str(long_folder), '--output', str(out), '--experiment', 'run', *BASE, '--epochs', '100'],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    try:
-        wait_for(lambda: (out / 'run' / 'last.pth.tar').exists(), 180, 'the first epoch checkpoint')
+    with training_after_first_epoch(long_folder, out, ranks=2) as proc:
         ranks = children(proc.pid)
         assert len(ranks) == 2
         os.kill(ranks[1], signal.SIGKILL)
         killed_at = time.monotonic()
         _, err = proc.communicate(timeout=90)
         took = time.monotonic() - killed_at
-    finally:
-        proc.kill()
     assert proc.returncode != 0
     assert took < 60, f'the surviving rank took {took:.0f} s to stop'
     ours = [line for line in err.splitlines() if line.startswith('train.py:')]
     assert len(ours) == 1 and 'rank 0 lost contact with the other processes' in ours[0], err[-3000:]
-    assert not any(running(pid) for pid in ranks), "both ranks have exited"
+    assert not any(running(pid) for pid in ranks), 'both ranks have exited'
     load_training_checkpoint(out / 'run' / 'last.pth.tar')
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_after_the_same_update(long_folder, tmp_path):
-    out = tmp_path / 'out'
-    out.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', str(REPO_ROOT / 'train.py'),
-         '--data-dir', str(long_folder), '--output', str(out), '--experiment', 'run', *BASE, '--epochs', '100'],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    try:
-        wait_for(lambda: (out / 'run' / 'last.pth.tar').exists(), 180, 'the first epoch checkpoint')
+    with training_after_first_epoch(long_folder, tmp_path / 'out', ranks=2) as proc:
         proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
         _, err = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
     ours = [line for line in err.splitlines() if line.startswith('train.py:')]
     assert len(ours) == 2 and all('stopped by SIGTERM after epoch' in line for line in ours), err[-3000:]
     assert len({line.split('; resume')[0] for line in ours}) == 1, 'both ranks stopped after the same update'
