@@ -288,3 +288,11 @@ def test_tune_refuses_an_unwritable_tuned_config_before_anything(tmp_path, capsy
     assert exc.value.code == 2
     line = _one_error_line(capsys)
     assert '--tuned-config' in line and words in line
+
+
+def test_validate_refuses_a_missing_split_beside_others(image_folder, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_validate_args(['--data-dir', str(image_folder), '--split', 'holdout'])
+    assert exc.value.code == 2
+    assert "--split 'holdout': no such folder" in _one_error_line(capsys)
+    assert parse_validate_args(['--data-dir', str(image_folder), '--split', 'val']).split == 'val'  # a synonym
