@@ -32,10 +32,11 @@ from timm_ext.accum import accumulation_windows
 from timm_ext.arg_checks import loss_weighting
 from timm_ext.amp import resolve_amp
 from timm_ext.cuda_backends import configure_cuda_backends
-from timm_ext.distributed import DeviceError, ddp_device_ids, init_device
+from timm_ext.distributed import DeviceError, ddp_device_ids, init_device, lost_peer
 from timm_ext.lr import resolve_lr
 from timm_ext.noise_monitor import write_noise_scale_row
 from timm_ext.oom_recovery import OomRecoveryError
+from timm_ext.stop_signal import StopOnSignal, TrainingStopped
 from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import (
@@ -66,6 +67,19 @@ def main(argv=None, prog: str = 'train.py') -> int:
         return 2
     except (SetupError, DeviceError, ckpt.CheckpointError, OomRecoveryError) as e:
         print(f'{prog}: error: {e}', file=sys.stderr)
+        return 1
+    except TrainingStopped as e:
+        print(f'{prog}: {e}', file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        print(f'{prog}: interrupted; the checkpoints on disk are complete, resume from the newest', file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        reason = ' '.join(str(e).split())[:160]
+        print(f'{prog}: error: rank {args.rank} lost contact with the other processes of the run (one died or '
+              f'the network failed: {reason}); stopping, the checkpoints on disk are complete', file=sys.stderr)
         return 1
     except torch._dynamo.exc.BackendCompilerFailed as e:
         reason = ' '.join(str(e).split())[:200]
@@ -194,9 +208,10 @@ def train(args, args_text: str) -> int:
         return {**ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler), **extra}
 
     def save_recovery(epoch, update_idx):
-        saver.save_recovery(
+        return saver.save_recovery(
             {**state(epoch), 'updates_done': update_idx + 1, 'epoch_rng': loop.epoch_rng}, epoch, update_idx)
 
+    stop = StopOnSignal()  # SIGTERM / SIGINT end the run after a complete update, saved as a recovery checkpoint
     loop = TrainLoop(
         task, optimizer,
         LoopConfig(
@@ -225,6 +240,7 @@ def train(args, args_text: str) -> int:
         mixup_fn=mixup_fn,
         lr_scheduler=lr_scheduler,
         save_recovery=save_recovery if saver is not None else None,
+        stop=stop,
     )
     if loop.splitter is not None and resumed is not None and resumed.get('micro_batch'):
         loop.splitter.load_state_dict(resumed['micro_batch'])
@@ -241,8 +257,13 @@ def train(args, args_text: str) -> int:
     # ---- epochs ---------------------------------------------------------------------------------------------------
     results = []
     best_metric = best_epoch = None
-    try:
+    with stop:
         for epoch in range(start.epoch, num_epochs):
+            signum = stop.requested(device)
+            if signum:  # asked between epochs (during evaluation or saving): save where the next one starts
+                resumable = saver is not None and epoch > start.epoch
+                saved = save_recovery(epoch - 1, updates_per_epoch - 1) if resumable else None
+                raise TrainingStopped(signum, f'epoch {epoch - 1}', saved)
             set_loader_epoch(loader_train, epoch)
             if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
                 disable_mixup(loader_train, mixup_fn)
@@ -281,8 +302,10 @@ def train(args, args_text: str) -> int:
             metric = (eval_metrics or train_metrics)[eval_metric]
             if output_dir is not None:
                 lrs = [g['lr'] for g in optimizer.param_groups]
-                utils.update_summary(epoch, train_metrics, eval_metrics, os.path.join(output_dir, 'summary.csv'),
-                                     lr=sum(lrs) / len(lrs), log_wandb=args.log_wandb and wandb is not None)
+                row = summary_row(epoch, train_metrics, eval_metrics, sum(lrs) / len(lrs))
+                if args.log_wandb and wandb is not None:
+                    wandb.log(row)
+                ckpt.append_csv_row(os.path.join(output_dir, 'summary.csv'), row)
             if saver is not None:
                 epoch_state = state(epoch, metric)
                 weights = epoch_state.get('state_dict_ema', epoch_state['state_dict'])
@@ -291,8 +314,6 @@ def train(args, args_text: str) -> int:
                 lr_scheduler.step(epoch + 1, metric)
             results.append({'epoch': epoch, 'train': train_metrics,
                             **({'validation': eval_metrics} if eval_metrics is not None else {})})
-    except KeyboardInterrupt:
-        pass
 
     if best_metric is not None:
         _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
@@ -301,6 +322,14 @@ def train(args, args_text: str) -> int:
                         reverse=decreasing)
         print(f'--result\n{json.dumps(ranked[-10:], indent=4)}')
     return 0
+
+
+def summary_row(epoch: int, train_metrics: dict, eval_metrics: dict | None, lr: float) -> dict:
+    """One summary.csv row with stock's columns: epoch, train_<metric>..., eval_<metric>..., lr."""
+    row = {'epoch': epoch, **{f'train_{k}': v for k, v in train_metrics.items()}}
+    row.update({f'eval_{k}': v for k, v in (eval_metrics or {}).items()})
+    row['lr'] = lr
+    return row
 
 
 def set_loader_epoch(loader, epoch: int) -> None:

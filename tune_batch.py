@@ -19,6 +19,7 @@ predicted to reach the recipe's result clearly sooner, the run lengthened to mat
 """
 import argparse
 import copy
+import functools
 import importlib.util
 import logging
 import math
@@ -51,8 +52,8 @@ from timm_ext.memory import (
 )
 from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.probe import (
-    SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, format_table, format_trial,
-    select_batch_size, trials_to_json,
+    SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, die_with_parent, format_table,
+    format_trial, select_batch_size, trials_to_json,
 )
 from timm_ext.probe_cache import ProbeCache, probe_key
 from timm_ext.probe_train import (
@@ -172,7 +173,7 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
         rank_argv.append(token)
     probe_cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={args.nproc}',
                  os.path.join(SCRIPT_DIR, 'tune_batch.py'), *rank_argv, '--dry-run', '--tuned-config', config_path]
-    rc = subprocess.call(probe_cmd)
+    rc = subprocess.call(probe_cmd, preexec_fn=functools.partial(die_with_parent, os.getpid()))
     if rc != 0 or args.dry_run:
         return rc
     command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc, extension_flags(

@@ -19,6 +19,18 @@ class DeviceError(Exception):
     """The asked device cannot be used on this machine."""
 
 
+# How gloo and NCCL word a collective that failed because another process of the group is gone.
+_LOST_PEER_MARKERS = ('Connection reset by peer', 'Connection closed by peer', 'Broken pipe', 'Connection refused',
+                      'NCCL communicator was aborted', 'Socket Timeout', 'ProcessGroupNCCL')
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed because another rank died or could not be reached."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return isinstance(e, dist.DistError) or any(m in str(e) for m in _LOST_PEER_MARKERS)
+
+
 def _check_device_available(device: str) -> None:
     device_type = device.split(':', 1)[0]
     if device_type == 'cuda' and not torch.cuda.is_available():

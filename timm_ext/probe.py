@@ -14,6 +14,7 @@ Under torchrun, wrap the trial with :func:`agree_across_ranks`: each rank runs i
 rank's outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes
 the same (the worst) outcome, hence the same path through the search and the same answer.
 """
+import ctypes
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ __all__ = [
     'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
     'Selection', 'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
     'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',
-    'timing_spread',
+    'timing_spread', 'die_with_parent', 'run_forked',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -531,6 +532,25 @@ def measured_trial(
 
 
 _SINGLE_THREAD_NOTE = [False]
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (for a child, right after fork or before exec).
+
+    A parent killed with SIGKILL runs no cleanup, so without this its trial children would run on as orphans, each
+    holding memory under the probe's cap. Elsewhere than Linux this does nothing.
+
+    Args:
+        parent: The parent's pid, read before the fork: if it has already died, this process exits at once.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:
@@ -548,10 +568,12 @@ def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> 
     """
     threads = len(os.listdir('/proc/self/task'))
     read_fd, write_fd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # child: never returns
         status = 0
         try:
+            die_with_parent(parent)
             os.close(read_fd)
             if threads > 1:
                 torch.set_num_threads(1)

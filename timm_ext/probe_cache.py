@@ -6,8 +6,8 @@ search's path: model and its kwargs, input size, precision, channels_last, gradi
 the device's name and total memory, world size, torch and timm versions, and the probe's own settings (budget,
 headroom, grid, start, limit). The cached trial table is re-selected on a hit, so `--select max` and
 `--select critical` share an entry; a throughput request adds its re-timing rounds and `--throughput-tol` to the key,
-because its table holds re-timings chosen with that tolerance. Files are written atomically; an unreadable one is a
-miss.
+because its table holds re-timings chosen with that tolerance. Files are written atomically; an unreadable one
+(corrupted, truncated, not ours) is a warning and a miss, so the probe runs again and replaces it.
 """
 import argparse
 import hashlib
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import timm
 import torch
 
-from .checkpoint import atomic_text
+from .checkpoint import CheckpointError, atomic_text
 from .probe import Trial
 
 __all__ = ['cache_dir', 'probe_key', 'ProbeCache']
@@ -87,13 +87,23 @@ class ProbeCache:
             return [Trial.from_dict(t) for t in entry['trials']]
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            _logger.warning(f'Ignoring unreadable probe cache file {path}: {e}')
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # torn, foreign or garbled
+            _logger.warning(f'Ignoring unreadable probe cache file {path} ({type(e).__name__}: {e}); '
+                            f'probing afresh')
             return None
 
-    def put(self, key: Dict[str, Any], trials: Sequence[Trial]) -> Path:
-        """Store a finished probe's trials under `key` (atomically); returns the file written."""
+    def put(self, key: Dict[str, Any], trials: Sequence[Trial]) -> Optional[Path]:
+        """Store a finished probe's trials under `key`; returns the file written, or None when it cannot be.
+
+        The file is replaced atomically (each writer has its own temporary name), so a reader, or a second tune_batch
+        run storing the same key at the same time, never sees half a file. The cache only saves time: a failure to
+        write it is a warning.
+        """
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_text(json.dumps({'key': key, 'trials': [t.to_dict() for t in trials]}, indent=1), path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_text(json.dumps({'key': key, 'trials': [t.to_dict() for t in trials]}, indent=1), path)
+        except (OSError, CheckpointError) as e:
+            _logger.warning(f'Could not write the probe cache {path} ({e}); the result is not cached')
+            return None
         return path

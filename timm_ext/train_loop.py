@@ -22,6 +22,7 @@ import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -38,6 +39,7 @@ from .oom_recovery import (
     FAILED, OK, OOM, GradientAllReduce, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory,
     agree_status, is_recoverable_oom,
 )
+from .stop_signal import StopOnSignal, TrainingStopped
 
 _logger = logging.getLogger('train')
 
@@ -128,7 +130,10 @@ class TrainLoop:
         grad_scaler: A ``torch.amp.GradScaler`` (float16 AMP on CUDA), else None.
         mixup_fn: Mixup/CutMix applied here when the loader does not do it (no prefetcher), else None.
         lr_scheduler: A timm scheduler; its ``step_update`` is called once per update.
-        save_recovery: Called as ``save_recovery(epoch, update_idx)`` every ``cfg.recovery_interval`` updates.
+        save_recovery: Called as ``save_recovery(epoch, update_idx)`` every ``cfg.recovery_interval`` updates, and
+            when `stop` asks to stop; returns the checkpoint written (None where this rank does not save).
+        stop: Asked after every update whether a signal wants the run to stop (`timm_ext.stop_signal`); if so, the
+            update is saved as a recovery checkpoint and `TrainingStopped` raised.
     """
 
     def __init__(
@@ -140,7 +145,8 @@ class TrainLoop:
             grad_scaler: Optional[torch.amp.GradScaler] = None,
             mixup_fn: Optional[Callable] = None,
             lr_scheduler: Any = None,
-            save_recovery: Optional[Callable[[int, int], None]] = None,
+            save_recovery: Optional[Callable[[int, int], Optional[Path]]] = None,
+            stop: Optional[StopOnSignal] = None,
     ):
         if cfg.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f'loss_weighting must be one of {LOSS_WEIGHTINGS}, got {cfg.loss_weighting!r}')
@@ -152,6 +158,7 @@ class TrainLoop:
         self.mixup_fn = mixup_fn
         self.lr_scheduler = lr_scheduler
         self.save_recovery = save_recovery
+        self.stop = stop
         self.second_order = getattr(optimizer, 'is_second_order', False)
         self.epoch_rng: Optional[Dict[str, Any]] = None  # RNG states when the current epoch's loader started
         self.params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
@@ -470,6 +477,7 @@ class TrainLoop:
                 self.save_recovery(epoch, update_idx)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step_update(num_updates=num_updates)
+            self._stop_if_asked(epoch, update_idx, where)
 
         if hasattr(self.optimizer, 'sync_lookahead'):
             self.optimizer.sync_lookahead()
@@ -477,6 +485,12 @@ class TrainLoop:
         if cfg.distributed:
             mean_loss = reduce_mean(mean_loss, cfg.world_size)
         return {'loss': mean_loss.item()}
+
+    def _stop_if_asked(self, epoch: int, update_idx: int, where: str) -> None:
+        signum = self.stop.requested(self.cfg.device) if self.stop is not None else None
+        if signum:
+            saved = self.save_recovery(epoch, update_idx) if self.save_recovery is not None else None
+            raise TrainingStopped(signum, where, saved)
 
     def _log_update(
             self, epoch: int, update_idx: int, updates_per_epoch: int, loss_now: torch.Tensor, loss_avg: torch.Tensor,
