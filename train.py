@@ -22,28 +22,23 @@ from datetime import datetime
 
 import torch
 from timm import utils
-from timm.data import resolve_data_config
 from timm.layers import set_fast_norm
-from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
 from timm_ext import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
 from timm_ext.arg_checks import loss_weighting
-from timm_ext.amp import resolve_amp
 from timm_ext.cuda_backends import configure_cuda_backends
-from timm_ext.distributed import DeviceError, ddp_device_ids, init_device, lost_peer
-from timm_ext.lr import resolve_lr
+from timm_ext.distributed import DeviceError, init_device, lost_peer
 from timm_ext.noise_monitor import write_noise_scale_row
 from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.stop_signal import StopOnSignal, TrainingStopped
 from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import (
-    SetupError, UsageError, build_datasets, build_eval_loader, build_model, build_task, build_train_loader,
-    build_train_loss, check_arg_combinations, check_compile_backend, check_inputs, disable_mixup, experiment_name,
-    input_img_mode, resolve_model_dtype,
+    SetupError, UsageError, check_arg_combinations, check_inputs, disable_mixup, experiment_name,
 )
+from timm_ext.train_stack import build_training_stack
 
 try:
     import wandb
@@ -105,65 +100,22 @@ def train(args, args_text: str) -> int:
     else:
         _logger.info(f'Training with a single process on {args.device}.')
 
-    model_dtype = resolve_model_dtype(args)
-    amp = resolve_amp(device, args.amp, args.amp_dtype)
     utils.random_seed(args.seed, args.rank)
     if args.fuser:
         utils.set_jit_fuser(args.fuser)
     if args.fast_norm:
         set_fast_norm()
 
-    # ---- model and data --------------------------------------------------------------------------------------
-    model = build_model(args, device, model_dtype)
-    if primary:
-        _logger.info(f'Model {args.model} created, param count: {sum(p.numel() for p in model.parameters())}')
-        _logger.info(amp.message)
-    data_config = resolve_data_config(vars(args), model=model, verbose=primary)
-    dataset_train, dataset_eval = build_datasets(args, input_img_mode(args, data_config))
-    loader_train, mixup_fn, reference_batch = build_train_loader(
-        args, dataset_train, data_config, device, model_dtype, model)
-    loader_eval = None
-    if dataset_eval is not None:
-        loader_eval = build_eval_loader(args, dataset_eval, data_config, device, model_dtype, model)
-
-    lr_choice = resolve_lr(args.lr, args.lr_base, args.lr_base_size, args.lr_base_scale, args.opt,
-                           reference_batch, args.world_size, args.grad_accum_steps)
-    args.lr = lr_choice.lr
-    if lr_choice.from_base:
-        args.lr_base_scale = lr_choice.scale
-    if primary:
-        _logger.info(lr_choice.message)
-        if lr_choice.hint:
-            _logger.info(lr_choice.hint)
-
-    # ---- task, optimizer, resume, EMA, compile, DDP ---------------------------------------------------------
-    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
+    stack = build_training_stack(args, device, resumed=resumed, verbose=primary)
+    task, optimizer, amp, model_dtype, grad_scaler = (stack.task, stack.optimizer, stack.amp, stack.model_dtype,
+                                                      stack.grad_scaler)
+    data_config, data = stack.data_config, stack.data
+    loader_train, loader_eval, mixup_fn, reference_batch = (data.loader_train, data.loader_eval, data.mixup_fn,
+                                                            data.reference_batch)
+    args.lr = stack.lr  # args as stock keeps them: checkpoints hold the LR the run used
+    if stack.lr_choice.from_base:
+        args.lr_base_scale = stack.lr_choice.scale
     validate_loss_fn = torch.nn.CrossEntropyLoss().to(device=device)
-    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=args), **args.opt_kwargs)
-    if primary:
-        _logger.info(f'Created {type(optimizer).__name__} ({args.opt}) optimizer, lr {args.lr:g}, '
-                     f'weight decay {args.weight_decay:g}.')
-    grad_scaler = torch.amp.GradScaler(device.type) if amp.use_grad_scaler else None
-
-    if resumed is not None:
-        ckpt.restore_model(task, resumed)
-        if not args.no_resume_opt:
-            ckpt.restore_optimizer(optimizer, resumed, grad_scaler)
-    if args.model_ema:
-        # created after the model is on its device, before the DDP wrapper
-        task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
-                       device='cpu' if args.model_ema_force_cpu else None)
-        if resumed is not None:
-            ckpt.restore_model(task, resumed, ema=True)
-    if args.torchcompile:
-        check_compile_backend(args.torchcompile, device)
-        task.compile(backend=args.torchcompile, mode=args.torchcompile_mode)
-        if task.has_ema():
-            task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
-    if args.distributed:
-        # broadcast_buffers is DDP's default; naming it only to turn it off avoids torch's deprecation warning
-        ddp_kwargs = {'broadcast_buffers': False} if args.no_ddp_bb else {}
-        task.prepare_distributed(device_ids=ddp_device_ids(device), **ddp_kwargs)
 
     # ---- schedule and resume point ----------------------------------------------------------------------------
     updates_per_epoch = len(accumulation_windows(len(loader_train), args.grad_accum_steps))

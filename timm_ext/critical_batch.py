@@ -1,6 +1,6 @@
 """A short, measured estimate of the gradient noise scale B_noise on the real run, for choosing the global batch.
 
-`measure_noise_scale` trains a few accumulation windows of the real run (train.py's builders and loop, real data,
+`measure_noise_scale` trains a few accumulation windows of the real run (train.py's builder and loop, real data,
 the LR of the run's first updates) with the noise-scale monitor on (`timm_ext.noise_monitor`): each micro-batch's
 gradient against its window's gives one two-batch estimate of |G|² and tr(Σ) (McCandlish et al. 2018). The estimate
 is B_simple = tr(Σ) / |G|² with a bootstrap interval over windows (`timm_ext.noise_scale.bootstrap_noise_scale`), so a
@@ -18,20 +18,14 @@ from typing import Any, Iterator
 
 import torch
 from timm import utils
-from timm.data import resolve_data_config
-from timm.optim import create_optimizer_v2, optimizer_kwargs
 
-from .amp import resolve_amp
 from .batch_choice import NoiseEstimate
 from .cuda_backends import configure_cuda_backends
-from .distributed import ddp_device_ids, reduce_mean
+from .distributed import reduce_mean
 from .lr import resolve_lr
 from .noise_scale import bootstrap_noise_scale
 from .train_loop import LoopConfig, TrainLoop
-from .train_setup import (
-    build_datasets, build_model, build_task, build_train_loader, build_train_loss, input_img_mode,
-    resolve_model_dtype,
-)
+from .train_stack import build_training_stack
 
 __all__ = ['measure_noise_scale', 'ESTIMATE_ACCUM', 'ESTIMATE_WINDOWS', 'ESTIMATE_MICRO_BATCH', 'estimate_samples']
 
@@ -96,32 +90,23 @@ def measure_noise_scale(args: argparse.Namespace, device: torch.device, micro_ba
     args.sync_bn = False  # it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
     args.prefetcher = not args.no_prefetcher
     world_size = args.world_size if args.distributed else 1
-    model_dtype = resolve_model_dtype(args)
-    amp = resolve_amp(device, args.amp, args.amp_dtype)
     utils.random_seed(args.seed, args.rank)
-    model = build_model(args, device, model_dtype)
-    data_config = resolve_data_config(vars(args), model=model, verbose=False)
-    dataset_train, _ = build_datasets(args, input_img_mode(args, data_config))
-    loader, mixup_fn, reference_batch = build_train_loader(args, dataset_train, data_config, device, model_dtype,
-                                                           model)
-    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
-    args.lr = first_update_lr(args, micro_batch, world_size, ESTIMATE_ACCUM)
-    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=args), **args.opt_kwargs)
-    if args.distributed:
-        task.prepare_distributed(device_ids=ddp_device_ids(device))
+    lr = first_update_lr(args, micro_batch, world_size, ESTIMATE_ACCUM)
+    stack = build_training_stack(args, device, lr=lr, with_eval=False, ema=False, compile_model=False)
+    task, optimizer, amp, data = stack.task, stack.optimizer, stack.amp, stack.data
     loop = TrainLoop(
         task, optimizer,
-        LoopConfig(device=device, accum_steps=ESTIMATE_ACCUM, batch_size=reference_batch, clip_grad=args.clip_grad,
-                   clip_mode=args.clip_mode, log_interval=10 ** 9, channels_last=args.channels_last,
-                   model_dtype=model_dtype, prefetcher=args.prefetcher, world_size=world_size, rank=args.rank,
-                   oom_recover=True, log_noise_scale=True),
+        LoopConfig(device=device, accum_steps=ESTIMATE_ACCUM, batch_size=data.reference_batch,
+                   clip_grad=args.clip_grad, clip_mode=args.clip_mode, log_interval=10 ** 9,
+                   channels_last=args.channels_last, model_dtype=stack.model_dtype, prefetcher=args.prefetcher,
+                   world_size=world_size, rank=args.rank, oom_recover=True, log_noise_scale=True),
         amp_autocast=amp.autocast,
-        grad_scaler=torch.amp.GradScaler(device.type) if amp.use_grad_scaler else None,
-        mixup_fn=mixup_fn,
+        grad_scaler=stack.grad_scaler,
+        mixup_fn=data.mixup_fn,
     )
     loop.noise.keep_windows()
     start = time.perf_counter()
-    loop.train_one_epoch(0, _CyclingBatches(loader, ESTIMATE_WINDOWS * ESTIMATE_ACCUM))
+    loop.train_one_epoch(0, _CyclingBatches(data.loader_train, ESTIMATE_WINDOWS * ESTIMATE_ACCUM))
     seconds = time.perf_counter() - start
     measured = loop.noise.windows
     loop.noise.close()

@@ -1,7 +1,7 @@
 """The training trial of the batch probe: one real update of the run's model, built the way train.py builds it.
 
 `build_train_trial` takes train.py's parsed arguments and sets up what decides a training step's memory with
-train.py's own builders (`timm_ext.train_setup`) and loop (`timm_ext.train_loop.TrainLoop`): the model with its
+train.py's own builder (`timm_ext.train_stack`) and loop (`timm_ext.train_loop.TrainLoop`): the model with its
 dtype, channels_last and gradient checkpointing, the task and loss, the optimizer (`create_optimizer_v2`), the EMA
 copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up update (it allocates
 the optimizer state) and a timed update, on random inputs of the largest size the run will see, directly on the
@@ -29,17 +29,15 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from timm.data import resolve_data_config
-from timm.optim import create_optimizer_v2, optimizer_kwargs
 
-from .amp import resolve_amp
 from .memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .probe import (
     ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
     measured_trial, retime_trials, search_batch_size, select_batch_size,
 )
 from .train_loop import LoopConfig, TrainLoop
-from .train_setup import SetupError, build_model, build_task, build_train_loss, resolve_model_dtype
+from .train_setup import SetupError
+from .train_stack import build_training_stack
 
 __all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
            'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE']
@@ -111,23 +109,12 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     if getattr(args, 'naflex_loader', False):
         raise SetupError('--naflex-loader runs take variable patch sequences; the probe covers fixed-size inputs, '
                          'so pass -b/--batch-size yourself')
-    model_dtype = resolve_model_dtype(args)
-    amp = resolve_amp(device, args.amp, args.amp_dtype)
-    model = build_model(args, device, model_dtype)
-    data_config = resolve_data_config(vars(args), model=model, verbose=False)
-    input_size = probe_input_size(args, data_config)
-    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
-    if not args.lr:
-        args.lr = args.lr_base  # the value does not change memory; the optimizer factory needs one
-    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=args), **args.opt_kwargs)
-    if args.model_ema:
-        task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
-                       device='cpu' if args.model_ema_force_cpu else None)
     compile_mode = probe_compile_mode(args.torchcompile_mode)
-    if args.torchcompile:
-        task.compile(backend=args.torchcompile, mode=compile_mode)
-        if task.has_ema():
-            task.compile_ema(backend=args.torchcompile, mode=compile_mode)
+    # the value of the LR does not change memory; the optimizer factory needs one
+    stack = build_training_stack(args, device, lr=args.lr or args.lr_base, with_data=False,
+                                 compile_mode=compile_mode, ddp=False)
+    task, optimizer, amp, model_dtype = stack.task, stack.optimizer, stack.amp, stack.model_dtype
+    input_size = probe_input_size(args, stack.data_config)
     loop = TrainLoop(
         task, optimizer,
         LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
