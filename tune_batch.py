@@ -304,7 +304,9 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     speed = outcome.selection.trial.samples_per_s or 0.0
     run_s = args.epochs * train_samples / speed if speed else math.inf
     estimate_micro = min(plan.micro_batch, ESTIMATE_MICRO_BATCH)
-    cost_s = SEARCH_TRIALS * trial_s + 2 * estimate_samples(estimate_micro, world_size) / max(speed, 1e-9)
+    per_trial_s = trial_s / (len(outcome.trials) + 1)  # the probe's uncapped first step counts as a trial
+    # the estimate's small micro-batches run slower than the recipe's: count them at half its speed
+    cost_s = SEARCH_TRIALS * per_trial_s + 2 * estimate_samples(estimate_micro, world_size) / max(speed, 1e-9)
     if not one_batch:
         lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept the recipe\'s.')
         return TunedRun(outcome, plan, lines=lines)

@@ -8,7 +8,7 @@ For each packaged dataset (`timm_ext.packaged_data`) and model, a fixed-epoch re
 - the sweep behind it: our train.py at every global batch of `--sweep` for the recipe's epochs, so the table shows
   what each global batch costs and reaches, and where tune_batch.py's choice lands.
 
-`mnist5k-long` (30 epochs) is a run long enough for tune_batch.py to measure the noise scale and judge bigger
+`mnist5k-long` (60 epochs) is a run long enough for tune_batch.py to measure the noise scale and judge bigger
 batches; it is not in the default set (about 10 minutes for one model).
 
     python bench/bench_time_to_accuracy.py --stock /path/to/timm/train.py    # timm's own script as the reference
@@ -37,7 +37,7 @@ from timm_ext.packaged_data import write_image_folder  # noqa: E402
 
 # recipe: (packaged dataset, classes, epochs); the first three train in about 10-30 s on 2 CPU cores
 RECIPES = {'digits': ('digits', 10, 8), 'mnist5k': ('mnist5k', 10, 4), 'lfw-faces': ('lfw-faces', 2, 20),
-           'mnist5k-long': ('mnist5k', 10, 30)}
+           'mnist5k-long': ('mnist5k', 10, 60)}
 RECIPE = ['--img-size', '32', '--opt', 'sgd', '--sched', 'cosine', '--lr-base', '0.4', '--warmup-epochs', '1',
           '--device', 'cpu', '--seed', '42']
 
