@@ -29,15 +29,13 @@ from timm_ext import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
 from timm_ext.arg_checks import loss_weighting
 from timm_ext.cuda_backends import configure_cuda_backends
-from timm_ext.distributed import DeviceError, init_device, lost_peer
+from timm_ext.distributed import init_device, lost_peer
+from timm_ext.errors import TimmExtError, report
 from timm_ext.noise_monitor import write_noise_scale_row
-from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.stop_signal import StopOnSignal, TrainingStopped
 from timm_ext.train_args import parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
-from timm_ext.train_setup import (
-    SetupError, UsageError, check_arg_combinations, check_inputs, disable_mixup, experiment_name,
-)
+from timm_ext.train_setup import check_arg_combinations, check_inputs, disable_mixup, experiment_name
 from timm_ext.train_stack import build_training_stack
 
 try:
@@ -57,15 +55,8 @@ def main(argv=None, prog: str = 'train.py') -> int:
         check_arg_combinations(args)
         check_inputs(args)
         return train(args, args_text)
-    except UsageError as e:
-        print(f'{prog}: error: {e}', file=sys.stderr)
-        return 2
-    except (SetupError, DeviceError, ckpt.CheckpointError, OomRecoveryError) as e:
-        print(f'{prog}: error: {e}', file=sys.stderr)
-        return 1
-    except TrainingStopped as e:
-        print(f'{prog}: {e}', file=sys.stderr)
-        return e.exit_status
+    except TimmExtError as e:  # bad input, a device or checkpoint problem, a stop on a signal: one line
+        return report(prog, e)
     except KeyboardInterrupt:
         print(f'{prog}: interrupted; the checkpoints on disk are complete, resume from the newest', file=sys.stderr)
         return 130

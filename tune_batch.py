@@ -46,13 +46,13 @@ from timm_ext.critical_batch import (
 )
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, init_device
-from timm_ext.handover import HandoverError, exec_training
+from timm_ext.errors import TimmExtError, report
+from timm_ext.handover import exec_training
 from timm_ext.memory import (
-    BudgetError, MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
+    MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
 )
-from timm_ext.oom_recovery import OomRecoveryError
 from timm_ext.probe import (
-    SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, ProbeError, die_with_parent, format_table,
+    SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, die_with_parent, format_table,
     format_trial, select_batch_size, trials_to_json,
 )
 from timm_ext.probe_cache import ProbeCache, probe_key
@@ -60,7 +60,7 @@ from timm_ext.probe_train import (
     ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
 )
 from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, given_dests, parse_args
-from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations, check_inputs
+from timm_ext.train_setup import SetupError, build_datasets, check_arg_combinations, check_inputs
 from timm_ext.tune_plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
     tuned_config_text,
@@ -144,12 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
             return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
         return tune(parser, args, given_dests(argv, parser))
-    except (UsageError, BudgetError) as e:
-        print(f'{prog}: error: {e}', file=sys.stderr)
-        return 2
-    except (SetupError, DeviceError, ProbeError, OomRecoveryError, HandoverError) as e:
-        print(f'{prog}: error: {e}', file=sys.stderr)
-        return 1
+    except TimmExtError as e:
+        return report(prog, e)
     except KeyboardInterrupt:
         print(f'{prog}: interrupted; the memory cap is lifted and nothing was cached or written', file=sys.stderr)
         return 130
@@ -161,8 +157,7 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
         if args.device.split(':', 1)[0] == 'cuda':
             check_device(args.device, local_rank=args.nproc - 1)
     except DeviceError as e:
-        print(f'{parser.prog}: error: {e}', file=sys.stderr)
-        return 1
+        return report(parser.prog, e)
     config_path = args.tuned_config or default_config_path(args)
     # the ranks learn the world size from torchrun; an '--nproc' token would also trip torchrun's own parser
     rank_argv, skip = [], False

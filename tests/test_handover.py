@@ -8,13 +8,15 @@ import os
 import sys
 import time
 import types
+import weakref
 
 import pytest
-import torch
 import yaml
 
 from conftest import REPO_ROOT, run_script
+from timm_ext import probe_train
 from timm_ext.handover import close_device_files_on_exec, end_child_processes
+from timm_ext.train_stack import build_training_stack
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='exec and /proc/self/fd hand-over are Linux paths')
 
@@ -50,20 +52,27 @@ def test_nothing_of_the_probe_is_alive_when_training_starts(tmp_path, image_fold
     monkeypatch.setenv('TIMM_EXT_CACHE_DIR', str(tmp_path / 'cache'))
     monkeypatch.chdir(tmp_path)
     tune_batch = importlib.import_module('tune_batch')
+    built = []  # weak references to what the probe built: its model, task and optimizer
+
+    def recording_builder(*args, **kwargs):
+        stack = build_training_stack(*args, **kwargs)
+        built.extend(weakref.ref(obj) for obj in (stack.model, stack.task, stack.optimizer))
+        return stack
+
     seen = {}
 
     def fake_train(argv):
         gc.collect()
         seen['argv'] = argv
-        seen['modules'] = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-        seen['optimizers'] = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+        seen['alive'] = [ref() for ref in built if ref() is not None]
         return 0
 
+    monkeypatch.setattr(probe_train, 'build_training_stack', recording_builder)
     monkeypatch.setattr(tune_batch, 'load_train_script', lambda: types.SimpleNamespace(main=fake_train))
     config = tmp_path / 'tuned.yaml'
     assert tune_batch.main(['--data-dir', str(image_folder), *TUNE, '--tuned-config', str(config)]) == 0
-    assert seen['argv'][:2] == ['-c', str(config)]
-    assert seen['modules'] == [] and seen['optimizers'] == [], 'the probe\'s model and optimizer must be released'
+    assert built and seen['argv'][:2] == ['-c', str(config)]
+    assert seen['alive'] == [], 'the probe\'s model, task and optimizer must be released before training starts'
 
 
 def test_device_files_are_marked_close_on_exec(tmp_path):

@@ -52,3 +52,28 @@ def test_every_entry_point_gets_the_compile_backend_check(image_folder):
 def test_the_lr_rule_needs_the_loader(image_folder):
     with pytest.raises(ValueError, match='needs the training loader'):
         build_training_stack(args_of(image_folder), torch.device('cpu'), with_data=False)
+
+
+def test_every_user_facing_error_has_one_base_and_an_exit_status():
+    from timm_ext.checkpoint import CheckpointError
+    from timm_ext.distributed import DeviceError
+    from timm_ext.errors import TimmExtError, UsageError
+    from timm_ext.memory import BudgetError
+    from timm_ext.probe import NothingFitsError
+    from timm_ext.stop_signal import TrainingStopped
+    from timm_ext.train_args import ConfigError
+    from timm_ext.train_setup import SetupError
+    from timm_ext.validation import ValidationError
+    statuses = {cls: cls('x').exit_status for cls in (CheckpointError, DeviceError, BudgetError, NothingFitsError,
+                                                      ConfigError, SetupError, UsageError, ValidationError)}
+    assert all(issubclass(cls, TimmExtError) for cls in statuses)
+    assert statuses[UsageError] == statuses[BudgetError] == statuses[ConfigError] == 2
+    assert statuses[SetupError] == statuses[DeviceError] == statuses[CheckpointError] == 1
+    import signal
+    assert TrainingStopped(signal.SIGTERM, 'update 3').exit_status == 128 + signal.SIGTERM
+
+
+def test_report_prints_one_line_and_returns_the_status(capsys):
+    from timm_ext.errors import UsageError, report
+    assert report('train.py', UsageError('bad\n  thing')) == 2
+    assert capsys.readouterr().err == 'train.py: error: bad thing\n'

@@ -26,13 +26,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .errors import TimmExtError
+
 _logger = logging.getLogger(__name__)
 
 CHECKPOINT_EXT = '.pth.tar'
 TMP_SUFFIX = '.tmp'
 
 
-class CheckpointError(Exception):
+class CheckpointError(TimmExtError):
     """A checkpoint that cannot be resumed from (missing, truncated, not a training checkpoint), or written."""
 
 

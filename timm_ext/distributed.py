@@ -14,8 +14,10 @@ import torch.distributed as dist
 from timm.utils import init_distributed_device
 from timm.utils.distributed import is_distributed_env, world_info_from_env
 
+from .errors import TimmExtError
 
-class DeviceError(Exception):
+
+class DeviceError(TimmExtError):
     """The asked device cannot be used on this machine."""
 
 

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import Sequence, Tuple
 
+from .errors import TimmExtError
+
 __all__ = ['DEVICE_FILE_PREFIXES', 'HandoverError', 'close_device_files_on_exec', 'end_child_processes',
            'exec_training']
 
@@ -25,7 +27,7 @@ __all__ = ['DEVICE_FILE_PREFIXES', 'HandoverError', 'close_device_files_on_exec'
 DEVICE_FILE_PREFIXES = ('/dev/nvidia', '/dev/kfd', '/dev/dri/')
 
 
-class HandoverError(Exception):
+class HandoverError(TimmExtError):
     """The training command could not be started; the message is one line."""
 
 

@@ -36,6 +36,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from .errors import TimmExtError
+
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
     'device_available_memory', 'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status',
@@ -56,8 +58,9 @@ _BUDGET_RE = re.compile(r'^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*|%)\s*
 DeviceLike = Union[str, torch.device]
 
 
-class BudgetError(ValueError):
+class BudgetError(TimmExtError, ValueError):
     """A memory budget that cannot be parsed or cannot be had on the device; the message is one line."""
+    exit_status = 2
 
 
 def format_bytes(num_bytes: Optional[float]) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .errors import TimmExtError
 from .oom import cpu_data_capped, should_retry
 
 __all__ = ['is_recoverable_oom', 'sync_bn_problem', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory',
@@ -59,7 +60,7 @@ def sync_bn_problem(oom_recover: bool, sync_bn: bool, world_size: int) -> Option
     return None
 
 
-class OomRecoveryError(Exception):
+class OomRecoveryError(TimmExtError):
     """Out of memory even with a micro-batch of one sample: nothing smaller to try."""
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .batch_decay import batch_descent, decay_batch_step
+from .errors import TimmExtError
 from .memory import PeakMeter, format_bytes, free_memory
 from .oom import is_oom
 
@@ -139,7 +140,7 @@ class MultipleGrid(BatchGrid):
         return list(range(max(first, self.multiple), high, self.multiple))
 
 
-class ProbeError(Exception):
+class ProbeError(TimmExtError):
     """The probe could not choose a batch size; the message is one line. `trials` holds the table so far."""
 
     def __init__(self, message: str, trials: Sequence[Trial] = ()):

@@ -16,12 +16,14 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .errors import TimmExtError
+
 __all__ = ['StopOnSignal', 'TrainingStopped']
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class TrainingStopped(Exception):
+class TrainingStopped(TimmExtError):
     """Training stopped on a signal after a complete update.
 
     Attributes:
@@ -35,6 +37,8 @@ class TrainingStopped(Exception):
         name = signal.Signals(signum).name
         saved = f'; resume with --resume {checkpoint}' if checkpoint is not None else ''
         super().__init__(f'stopped by {name} after {where}{saved}')
+
+    label = ''  # 'train.py: stopped by SIGTERM ...', not an error
 
     @property
     def exit_status(self) -> int:

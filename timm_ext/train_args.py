@@ -21,6 +21,7 @@ import yaml
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
 from .arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_names
+from .errors import TimmExtError
 
 __all__ = [
     'EXTENSIONS_GROUP', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser', 'args_to_yaml', 'build_config_parser',
@@ -35,8 +36,9 @@ EXTENSIONS_GROUP = 'timm_ext extensions'
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
 
 
-class ConfigError(ValueError):
+class ConfigError(TimmExtError, ValueError):
     """A `-c/--config` file that cannot be used; the message is one line naming the file and the problem."""
+    exit_status = 2
 
 
 class TrainArgumentParser(argparse.ArgumentParser):

@@ -22,15 +22,12 @@ from timm.utils import world_info_from_env
 from .amp import MODEL_DTYPES
 from .arg_checks import extension_problem, train_input_problem
 from .augment_fixes import patch_posterize
+from .errors import TimmExtError, UsageError
 
 _logger = logging.getLogger('train')
 
 
-class UsageError(Exception):
-    """Arguments that cannot work together (exit status 2, like an argparse error)."""
-
-
-class SetupError(Exception):
+class SetupError(TimmExtError):
     """A run that cannot be set up: missing data, unknown model, unusable weights (exit status 1)."""
 
 

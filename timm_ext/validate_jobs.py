@@ -14,6 +14,8 @@ from typing import List, Optional
 from timm.models import is_model, list_models
 from timm.utils import natural_key
 
+from .errors import TimmExtError
+
 __all__ = ['ValidationJobs', 'CHECKPOINT_PATTERNS', 'NON_IN1K_FILTERS', 'resolve_jobs']
 
 # weight files a checkpoint folder is searched for: stock's two, plus our safetensors exports
@@ -30,7 +32,7 @@ class ValidationJobs:
     description: str = ''
 
 
-class JobsError(ValueError):
+class JobsError(TimmExtError, ValueError):
     """The model or checkpoint arguments name nothing that can be validated (one-line message)."""
 
 

@@ -24,6 +24,7 @@ from timm.utils import accuracy, random_seed, reparameterize_model, set_jit_fuse
 from .amp import AmpChoice, resolve_amp
 from .batch_decay import batch_descent, decay_batch_step
 from .distributed import DeviceError, check_cuda_index
+from .errors import TimmExtError
 from .hub import is_download_error, pretrained_unavailable
 from .memory import PeakMeter, data_and_stack, free_memory
 from .metrics import precision_recall_f1
@@ -37,7 +38,7 @@ __all__ = ['ValidationError', 'EvalModel', 'EvalTotals', 'resolve_device', 'buil
 _logger = logging.getLogger(__name__)
 
 
-class ValidationError(Exception):
+class ValidationError(TimmExtError):
     """A failure the user can act on; the message is one line, reported without a traceback."""
 
 

@@ -14,12 +14,14 @@ from typing import Any, Dict, Optional
 import torch
 from timm.models import clean_state_dict
 
+from .errors import TimmExtError
+
 __all__ = ['WeightsError', 'CheckpointWeights', 'one_line', 'read_weights', 'load_weights', 'checkpoint_num_classes']
 
 _logger = logging.getLogger(__name__)
 
 
-class WeightsError(Exception):
+class WeightsError(TimmExtError):
     """Weights that cannot be used; the message is one line meant for the user."""
 
 
