@@ -59,7 +59,7 @@ from timm_ext.probe_cache import ProbeCache, probe_key
 from timm_ext.probe_train import (
     ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
 )
-from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, given_dests, parse_args
+from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
 from timm_ext.train_setup import SetupError, build_datasets, check_arg_combinations, check_inputs
 from timm_ext.tune_plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
@@ -117,11 +117,6 @@ def build_tune_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _group_dests(parser: argparse.ArgumentParser, title: str) -> List[str]:
-    group = next(g for g in parser._action_groups if g.title == title)
-    return [a.dest for a in group._group_actions]
-
-
 def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rules between tune_batch's flags (each flag's own range is checked by the parser: TUNE_DOMAINS)."""
     if args.select == 'critical' and args.target_global_batch:
@@ -172,7 +167,7 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
     if rc != 0 or args.dry_run:
         return rc
     command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc, extension_flags(
-        args, parser, _group_dests(parser, EXTENSIONS_GROUP)))
+        args, parser, group_dests(parser, EXTENSIONS_GROUP)))
     return exec_training(command)  # the probe ranks have exited; this process becomes the launcher
 
 
@@ -375,9 +370,8 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
     free_memory(device)
 
-    train_dests = [d for d in parser_dests(parser) if d not in _group_dests(parser, TUNE_GROUP)]
-    extension_dests = _group_dests(parser, EXTENSIONS_GROUP)
-    stock_dests = [d for d in train_dests if d not in extension_dests]
+    extension_dests = group_dests(parser, EXTENSIONS_GROUP)
+    stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))  # train.py's keys, ours left out
     values = {**config_values(train_args, parser, stock_dests, tuned.plan), **tuned.schedule}
     extras = extension_flags(train_args, parser, extension_dests)
     command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras)
@@ -412,10 +406,6 @@ def load_train_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def parser_dests(parser: argparse.ArgumentParser) -> List[str]:
-    return [a.dest for a in parser._actions if a.dest not in (argparse.SUPPRESS, 'help', 'config')]
 
 
 def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -> List[str]:

@@ -1,7 +1,6 @@
 import pytest
-import torch
 
-from timm_ext.accum import accumulation_windows, plan_accumulation, window_loss_weights
+from timm_ext.accum import accumulation_windows, plan_accumulation
 
 
 def test_fourteen_batches_accum_eight_is_two_updates():
@@ -16,16 +15,6 @@ def test_windows_cover_each_batch_once_in_ceil_n_over_k(n, k):
     assert len(windows) == -(-n // k)
     assert [i for w in windows for i in w] == list(range(n))
     assert all(len(w) == k for w in windows[:-1])
-
-
-def test_weights_make_a_true_mean():
-    assert window_loss_weights([8, 8, 8]) == pytest.approx([1 / 3] * 3)
-    assert window_loss_weights([16, 16, 4]) == pytest.approx([16 / 36, 16 / 36, 4 / 36])
-    # Weighted per-micro-batch mean losses equal the mean over every sample of the window.
-    torch.manual_seed(0)
-    losses = [torch.rand(n) for n in (16, 16, 4)]
-    weighted = sum(w * l.mean() for w, l in zip(window_loss_weights([16, 16, 4]), losses))
-    assert float(weighted) == pytest.approx(float(torch.cat(losses).mean()), rel=1e-6)
 
 
 def test_exact_plan_keeps_global_batch():
@@ -65,5 +54,3 @@ def test_plan_rejects_bad_values(kwargs, name):
 def test_windows_reject_bad_values():
     with pytest.raises(ValueError, match='accum_steps'):
         accumulation_windows(10, 0)
-    with pytest.raises(ValueError, match='sample_counts'):
-        window_loss_weights([4, 0])

@@ -5,7 +5,7 @@ import textwrap
 import pytest
 import torch
 
-from timm_ext.oom import check_batch_size_retry, is_oom, should_retry
+from timm_ext.oom import is_oom, should_retry
 
 
 def _raised(fn) -> BaseException:
@@ -73,7 +73,6 @@ def test_backend_messages_are_oom(message):
 def test_real_shape_mismatch_not_retried():
     exc = _raised(lambda: torch.nn.Linear(8, 4)(torch.randn(2, 5)))
     assert not is_oom(exc) and not should_retry(exc)
-    assert check_batch_size_retry(str(exc))  # stock would have retried it
 
 
 def test_real_dtype_mismatch_not_retried():
@@ -85,7 +84,6 @@ def test_real_channels_last_rank_error_not_retried():
     exc = _raised(lambda: torch.randn(2, 3).to(memory_format=torch.channels_last))
     assert 'required rank' in str(exc)
     assert not should_retry(exc)
-    assert not check_batch_size_retry(str(exc))
 
 
 @pytest.mark.parametrize('message', [
@@ -96,12 +94,6 @@ def test_real_channels_last_rank_error_not_retried():
 def test_fatal_cuda_errors_never_retried(message):
     # No CUDA device here: the exact CUDA messages stand in for the real errors.
     assert not should_retry(RuntimeError(message))
-
-
-def test_stock_rule():
-    assert check_batch_size_retry('CUDA out of memory')
-    assert not check_batch_size_retry('Illegal memory access')
-    assert not check_batch_size_retry('required rank 4 tensor to use channels_last format')
 
 
 def test_onednn_primitive_failure_is_oom_only_under_a_cpu_cap():

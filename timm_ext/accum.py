@@ -6,9 +6,9 @@ shorter last window (or a last micro-batch with fewer samples) weighs every samp
 """
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List
 
-__all__ = ['accumulation_windows', 'window_loss_weights', 'AccumPlan', 'plan_accumulation']
+__all__ = ['accumulation_windows', 'AccumPlan', 'plan_accumulation']
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:
@@ -24,16 +24,6 @@ def accumulation_windows(num_batches: int, accum_steps: int) -> List[range]:
     _check_int('num_batches', num_batches, minimum=0)
     _check_int('accum_steps', accum_steps)
     return [range(start, min(start + accum_steps, num_batches)) for start in range(0, num_batches, accum_steps)]
-
-
-def window_loss_weights(sample_counts: Sequence[int]) -> List[float]:
-    """Loss weight of each micro-batch in a window: its samples / the window's samples (weights sum to 1)."""
-    if not sample_counts:
-        raise ValueError('sample_counts must list at least one micro-batch')
-    for count in sample_counts:
-        _check_int('sample_counts entries', count)
-    total = sum(sample_counts)
-    return [count / total for count in sample_counts]
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,13 @@
 `is_oom` looks at the exception type first (`torch.OutOfMemoryError`, Python's `MemoryError`), then at the messages
 the allocators of each backend raise. `should_retry` is the policy: retry with a smaller batch only on an OOM, and
 never on errors that leave the device unusable or that a smaller batch cannot fix.
-`check_batch_size_retry` keeps the stock validate.py rule for callers that want exactly that behaviour.
 """
 import resource
 from typing import Iterator
 
 import torch
 
-__all__ = ['is_oom', 'should_retry', 'check_batch_size_retry', 'cpu_data_capped', 'OOM_MESSAGES', 'FATAL_MESSAGES',
+__all__ = ['is_oom', 'should_retry', 'cpu_data_capped', 'OOM_MESSAGES', 'FATAL_MESSAGES',
            'CAPPED_CPU_OOM_MESSAGES']
 
 # Lower-cased fragments of the messages each backend raises when an allocation fails.
@@ -91,8 +90,3 @@ def should_retry(exc: BaseException, cpu_capped: bool = False) -> bool:
         return False
     return is_oom(exc, cpu_capped)
 
-
-def check_batch_size_retry(error_str: str) -> bool:
-    """The stock validate.py rule: retry any failure except channels_last rank errors and illegal accesses."""
-    error_str = error_str.lower()
-    return 'required rank' not in error_str and 'illegal' not in error_str

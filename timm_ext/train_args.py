@@ -25,7 +25,7 @@ from .errors import TimmExtError
 
 __all__ = [
     'EXTENSIONS_GROUP', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser', 'args_to_yaml', 'build_config_parser',
-    'build_parser', 'config_keys', 'given_dests', 'parse_args', 'read_config', 'validate_args',
+    'build_parser', 'config_keys', 'given_dests', 'group_dests', 'parse_args', 'read_config', 'validate_args',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -531,6 +531,12 @@ def config_keys(parser: argparse.ArgumentParser) -> set[str]:
     Handy for writing a config for another parser, e.g. keeping only train.py's keys of tune_batch.py's args.
     """
     return set(_config_actions(parser))
+
+
+def group_dests(parser: argparse.ArgumentParser, title: str) -> list[str]:
+    """Dest names of the argument group `title` of `parser` (e.g. EXTENSIONS_GROUP: our train.py's own flags)."""
+    group = next(g for g in parser._action_groups if g.title == title)
+    return [a.dest for a in group._group_actions]
 
 
 def _expected_kind(action: argparse.Action, value: Any) -> str | None:
