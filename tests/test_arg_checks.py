@@ -21,6 +21,7 @@ from timm_ext.arg_checks import (
 )
 from timm_ext.checkpoint import atomic_torch_save
 from timm_ext.train_args import build_parser, parse_args
+from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations
 from timm_ext.validate_args import build_validate_parser, parse_validate_args
 
 
@@ -296,3 +297,30 @@ def test_validate_refuses_a_missing_split_beside_others(image_folder, capsys):
     assert exc.value.code == 2
     assert "--split 'holdout': no such folder" in _one_error_line(capsys)
     assert parse_validate_args(['--data-dir', str(image_folder), '--split', 'val']).split == 'val'  # a synonym
+
+
+@pytest.mark.parametrize('argv, world, words', [
+    (['--mixup', '0.5', '-b', '3'], 1, 'must be even'),
+    (['--cutmix', '1', '--train-img-sizes', '32', '48', '--train-batch-sizes', '4', '3'], 1, 'must be even'),
+    (['--aug-repeats', '3'], 1, 'only in distributed training'),
+    (['--oom-grow-back', '5'], 1, 'add --oom-recover'),
+    (['--log-noise-scale'], 1, 'pass --grad-accum-steps 2 or more'),
+])
+def test_combinations_stock_asserts_on_are_refused(argv, world, words):
+    args = parse_args(argv, parser=build_parser(prog='train.py'))[0]
+    with pytest.raises(UsageError, match=words):
+        check_arg_combinations(args, world_size=world)
+
+
+@pytest.mark.parametrize('argv, world', [(['--mixup', '0.5', '-b', '4'], 1), (['--aug-repeats', '3'], 2),
+                                         (['--log-noise-scale'], 2)])
+def test_combinations_that_work_pass(argv, world):
+    check_arg_combinations(parse_args(argv, parser=build_parser(prog='train.py'))[0], world_size=world)
+
+
+def test_fewer_classes_than_the_split_has_is_refused(image_folder):
+    args = parse_args(['--data-dir', str(image_folder), '--num-classes', '2'], parser=build_parser())[0]
+    with pytest.raises(SetupError, match="'train' split has 3 classes but the model has 2 outputs"):
+        build_datasets(args, 'RGB')
+    args.num_classes = 3
+    assert len(build_datasets(args, 'RGB')[0]) == 24
