@@ -16,7 +16,7 @@ import yaml
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.arg_checks import (
-    TRAIN_DOMAINS, TUNE_DOMAINS, VALIDATE_DOMAINS, folder_problem, numeric_dests, split_problem,
+    TRAIN_DOMAINS, TUNE_DOMAINS, VALIDATE_DOMAINS, folder_problem, numeric_dests, split_problem, train_input_problem,
     writable_file_problem,
 )
 from timm_ext.checkpoint import atomic_torch_save
@@ -324,3 +324,15 @@ def test_fewer_classes_than_the_split_has_is_refused(image_folder):
         build_datasets(args, 'RGB')
     args.num_classes = 3
     assert len(build_datasets(args, 'RGB')[0]) == 24
+
+
+def test_run_folder_that_is_a_file_and_a_missing_validation_split(image_folder, tmp_path):
+    (tmp_path / 'exp').write_text('x')
+    args = parse_args(['--data-dir', str(image_folder), '--output', str(tmp_path), '--experiment', 'exp'])[0]
+    assert train_input_problem(args) == f'--output/--experiment {tmp_path / "exp"} is a file; pass a folder'
+    only_train = tmp_path / 'only_train'
+    (only_train / 'train').mkdir(parents=True)
+    args = parse_args(['--data-dir', str(only_train), '--output', str(tmp_path / 'out')])[0]
+    assert "pass --val-split '' to train without one" in train_input_problem(args)
+    args = parse_args(['--data-dir', str(only_train), '--output', str(tmp_path / 'out'), '--val-split', ''])[0]
+    assert train_input_problem(args) is None

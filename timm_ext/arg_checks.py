@@ -448,12 +448,18 @@ def writable_file_problem(flag: str, path: str) -> Optional[str]:
     return None
 
 
-def split_problem(flag: str, root: str, split: str) -> Optional[str]:
+def split_problem(flag: str, root: str, split: str, hint: str = '') -> Optional[str]:
     """Why a folder dataset's split cannot be read as asked, or None.
 
     timm looks for the split (or a synonym: 'val' for 'validation', ...) under the root and silently reads the root
     itself when there is none. That is right for a root of class folders, but a root that holds other splits would
     have them read as classes: refused.
+
+    Args:
+        flag: The flag that names the split, for the message.
+        root: The dataset root.
+        split: The split's name.
+        hint: What else the user may pass, appended to the message.
     """
     from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM
     if not split or not os.path.isdir(root):
@@ -465,7 +471,7 @@ def split_problem(flag: str, root: str, split: str) -> Optional[str]:
     splits = sorted(s for s in (*_TRAIN_SYNONYM, *_EVAL_SYNONYM) if os.path.isdir(os.path.join(root, s)))
     if splits:
         return (f'{flag} {split!r}: no such folder in {root} (it has {", ".join(s + "/" for s in splits)}); '
-                f'timm would read those split folders as classes')
+                f'timm would read those split folders as classes{hint}')
     return None
 
 
@@ -487,13 +493,17 @@ def train_input_problem(args: argparse.Namespace) -> Optional[str]:
                        ('--class-map', args.class_map)):
         if path and not os.path.isfile(path):
             return f'{flag} file not found: {path}'
-    problem = folder_problem('--output', args.output or os.path.join('output', 'train'))
+    output = args.output or os.path.join('output', 'train')
+    problem = folder_problem('--output', output)
+    if not problem and args.experiment:  # the run folder itself, when its name is known now
+        problem = folder_problem('--output/--experiment', os.path.join(output, args.experiment))
     if problem:
         return problem
     root = args.data_dir or args.data
     if root and '/' not in args.dataset:  # a folder dataset: timm resolves the splits under the root
-        for flag, split in (('--train-split', args.train_split), ('--val-split', args.val_split)):
-            problem = split_problem(flag, root, split)
+        for flag, split, hint in (('--train-split', args.train_split, ''),
+                                  ('--val-split', args.val_split, "; pass --val-split '' to train without one")):
+            problem = split_problem(flag, root, split, hint)
             if problem:
                 return problem
     if args.resume:
