@@ -336,3 +336,21 @@ def test_run_folder_that_is_a_file_and_a_missing_validation_split(image_folder, 
     assert "pass --val-split '' to train without one" in train_input_problem(args)
     args = parse_args(['--data-dir', str(only_train), '--output', str(tmp_path / 'out'), '--val-split', ''])[0]
     assert train_input_problem(args) is None
+
+
+def test_yaml_null_for_a_flag_without_an_unset_meaning_is_refused(tmp_path, capsys):
+    parser = build_parser(prog='train.py')
+    checked = 0
+    for action in parser._actions:
+        if action.dest not in TRAIN_DOMAINS:
+            continue
+        config = tmp_path / f'{action.dest}.yaml'
+        config.write_text(f'{action.dest}: null\n')
+        if action.default is None:  # unset is the default: kept
+            assert getattr(parse_args(['-c', str(config)], parser=parser)[0], action.dest) is None
+            continue
+        with pytest.raises(SystemExit):
+            parse_args(['-c', str(config)], parser=parser)
+        assert 'got None (null)' in _one_error_line(capsys)
+        checked += 1
+    assert checked > 50

@@ -25,8 +25,8 @@ from .results import RESULT_FORMATS
 
 __all__ = [
     'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'VALIDATE_DOMAINS',
-    'check_values', 'extension_problem', 'flag_names', 'folder_problem', 'loss_weighting', 'numeric_dests',
-    'split_problem', 'train_input_problem', 'writable_file_problem',
+    'check_values', 'extension_problem', 'flag_defaults', 'flag_names', 'folder_problem', 'loss_weighting',
+    'numeric_dests', 'split_problem', 'train_input_problem', 'writable_file_problem',
 ]
 
 Count = Union[int, Tuple[int, int], None]
@@ -374,18 +374,30 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     return {a.dest: '/'.join(a.option_strings) or a.dest for a in parser._actions}
 
 
-def check_values(args: argparse.Namespace, domains: Mapping[str, Domain],
-                 flags: Mapping[str, str]) -> Optional[str]:
+def flag_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Each dest's own default in `parser` (for `check_values`)."""
+    return {a.dest: a.default for a in parser._actions}
+
+
+def check_values(args: argparse.Namespace, domains: Mapping[str, Domain], flags: Mapping[str, str],
+                 defaults: Optional[Mapping[str, Any]] = None) -> Optional[str]:
     """The first flag whose value is outside its domain, as a one-line message; None when all are allowed.
 
     Args:
         args: Parsed arguments (after the config merge).
-        domains: Domain by dest; dests missing from `args` are skipped, and unset (None) values too.
+        domains: Domain by dest; dests missing from `args` are skipped.
         flags: How each dest is written in messages (`flag_names`).
+        defaults: The parser's own default by dest. Unset (None) is allowed where the default is None (the flag
+            has an 'unset' meaning); elsewhere only a YAML `null` can make it None, and stock would crash on it.
     """
     for dest, domain in domains.items():
-        value = getattr(args, dest, None)
-        if value is not None and not domain.admits(value, args):
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if value is None:
+            if (defaults or {}).get(dest) is not None:
+                return f'argument {flags.get(dest, dest)}: got None (null); allowed: {domain.allowed(args)}'
+        elif not domain.admits(value, args):
             shown = list(value) if isinstance(value, tuple) else value
             return f'argument {flags.get(dest, dest)}: got {shown!r}; allowed: {domain.allowed(args)}'
     return None

@@ -20,7 +20,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 import yaml
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
-from .arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_names
+from .arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_defaults, flag_names
 
 __all__ = [
     'EXTENSIONS_GROUP', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser', 'args_to_yaml', 'build_config_parser',
@@ -609,7 +609,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     Applies to the resolved values, so a bad value from a config file fails the same way. The domains are in
     `timm_ext.arg_checks`; stock timm accepts many of these values and fails later, or trains on them silently.
     """
-    problem = check_values(args, domains, flag_names(parser))
+    problem = check_values(args, domains, flag_names(parser), flag_defaults(parser))
     if problem:
         parser.error(problem)
 
