@@ -390,14 +390,16 @@ def check_values(args: argparse.Namespace, domains: Mapping[str, Domain], flags:
         defaults: The parser's own default by dest. Unset (None) is allowed where the default is None (the flag
             has an 'unset' meaning); elsewhere only a YAML `null` can make it None, and stock would crash on it.
     """
-    for dest, domain in domains.items():
+    defaults = defaults or {}
+    for dest in [*domains, *(d for d in defaults if d not in domains)]:
         if not hasattr(args, dest):
             continue
-        value = getattr(args, dest)
+        value, domain = getattr(args, dest), domains.get(dest)
         if value is None:
-            if (defaults or {}).get(dest) is not None:
-                return f'argument {flags.get(dest, dest)}: got None (null); allowed: {domain.allowed(args)}'
-        elif not domain.admits(value, args):
+            if defaults.get(dest) is not None:
+                allowed = domain.allowed(args) if domain is not None else f'a value like the default {defaults[dest]!r}'
+                return f'argument {flags.get(dest, dest)}: got None (null); allowed: {allowed}'
+        elif domain is not None and not domain.admits(value, args):
             shown = list(value) if isinstance(value, tuple) else value
             return f'argument {flags.get(dest, dest)}: got {shown!r}; allowed: {domain.allowed(args)}'
     return None
