@@ -75,6 +75,7 @@ BAD_NAMES = [
     ('--worker-seeding', 'none'), ('--eval-metric', 'acc'), ('--interpolation', 'cubic'),
     ('--train-interpolation', 'area'), ('--model-dtype', 'int8'), ('--lr-base-scale', 'cubic'),
     ('--amp-dtype', 'float8'), ('--mem-budget', '12'), ('--mem-budget', '0'), ('--mem-budget', '-1GiB'),
+    ('--train-crop-mode', 'centre'), ('--fuser', 'llvm'),
 ]
 
 

@@ -237,6 +237,7 @@ COMMON_DOMAINS: Mapping[str, Domain] = {
     'model_dtype': Names(tuple(MODEL_DTYPES)),
     'seed': SEED,
     'naflex_max_seq_len': POSITIVE_INT,
+    'fuser': Names(('', 'te', 'old', 'nvfuser')),  # timm.utils.set_jit_fuser's names
 }
 
 TRAIN_DOMAINS: Mapping[str, Domain] = {
@@ -309,6 +310,7 @@ TRAIN_DOMAINS: Mapping[str, Domain] = {
     'mixup_off_epoch': NON_NEGATIVE_INT,
     'smoothing': FRACTION,
     'train_interpolation': Names(('', 'random') + INTERPOLATIONS),
+    'train_crop_mode': Names(('rrc', 'rkrc', 'rkrr')),  # random-resized, keep-ratio crop, keep-ratio resize
     'drop': FRACTION,
     'drop_connect': FRACTION,
     'drop_path': FRACTION,

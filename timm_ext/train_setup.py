@@ -144,7 +144,7 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
         )
     except TypeError as e:  # an unexpected keyword from --model-kwargs or a flag the model does not take
         raise SetupError(f'model {name!r} cannot be built with these arguments: {_first_line(e)}') from None
-    except (RuntimeError, OSError, ValueError) as e:
+    except (RuntimeError, OSError, ValueError, AssertionError) as e:  # timm asserts on e.g. an unknown --gp
         what = 'pretrained weights' if args.pretrained else 'weights' if args.initial_checkpoint else 'model'
         raise SetupError(f'cannot create {name!r} ({what}): {_first_line(e)}') from None
 
