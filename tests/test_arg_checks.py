@@ -75,7 +75,8 @@ BAD_NAMES = [
     ('--worker-seeding', 'none'), ('--eval-metric', 'acc'), ('--interpolation', 'cubic'),
     ('--train-interpolation', 'area'), ('--model-dtype', 'int8'), ('--lr-base-scale', 'cubic'),
     ('--amp-dtype', 'float8'), ('--mem-budget', '12'), ('--mem-budget', '0'), ('--mem-budget', '-1GiB'),
-    ('--train-crop-mode', 'centre'), ('--fuser', 'llvm'),
+    ('--train-crop-mode', 'centre'), ('--fuser', 'llvm'), ('--input-img-mode', 'L'), ('--input-img-mode', 'XYZ'),
+    ('--dataset', 'folder2/x'),
 ]
 
 
@@ -187,6 +188,8 @@ def test_unknown_name_is_one_line(flag, value, capsys):
     ['--sched', 'none'], ['--model', 'resnet50.a1_in1k'], ['--model', 'hf-hub:timm/resnet18.a1_in1k'],
     ['--lr-noise', '0.4', '0.9'], ['--opt-betas', '0.9', '0.99', '0.999'], ['--clip-grad', '1'],
     ['--scale', '1', '1'], ['--mem-budget', '0.5'], ['--mem-budget', '2GiB'], ['--smoothing', '0'],
+    ['--dataset', 'torch/cifar10'], ['--dataset', 'imagefolder'], ['--input-img-mode', 'L', '--in-chans', '1'],
+    ['--input-img-mode', 'RGB'],
 ], ids=lambda a: ' '.join(a))
 def test_values_stock_gives_a_meaning_are_kept(argv):
     parse_args(argv, parser=TUNE.build_tune_parser(), domains={**TRAIN_DOMAINS, **TUNE_DOMAINS})

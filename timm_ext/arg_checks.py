@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
+from PIL import Image
+
 from .amp import AMP_DTYPES, MODEL_DTYPES
 from .results import RESULT_FORMATS
 
@@ -169,6 +171,18 @@ class Rule(Domain):
         return self.words
 
 
+class ImageMode(Domain):
+    """A PIL image mode with one band per input channel (the loader's normalisation needs one of each)."""
+
+    def admits(self, value: Any, args: argparse.Namespace) -> bool:
+        return value in Image.MODES and Image.getmodebands(value) == input_channels(args)
+
+    def allowed(self, args: argparse.Namespace) -> str:
+        channels = input_channels(args)
+        modes = [m for m in Image.MODES if Image.getmodebands(m) == channels]
+        return f'a PIL mode with {channels} band(s), one per input channel: ' + ', '.join(repr(m) for m in modes)
+
+
 def input_channels(args: argparse.Namespace) -> int:
     """Input channels as timm's data config resolves them: --input-size C, else --in-chans, else 3."""
     if getattr(args, 'input_size', None):
@@ -199,6 +213,17 @@ def _is_model(name: Any) -> bool:
     return is_model(name.split('.', 1)[0])  # 'resnet50.a1_in1k': the name before the pretrained tag
 
 
+def _is_dataset(name: Any) -> bool:
+    """'' or a bare name (a folder or tar under --data-dir), or one of the prefixes timm's create_dataset knows.
+
+    Any other 'prefix/name' would fall through to the folder reader and read --data-dir instead, silently.
+    """
+    if not isinstance(name, str):
+        return False
+    prefix, sep, _ = name.partition('/')
+    return not sep or prefix.lower() in DATASET_PREFIXES
+
+
 def _is_budget(text: Any) -> bool:
     from .memory import BudgetError, parse_budget
     try:
@@ -220,6 +245,7 @@ DECAY = Number(0, 1)  # a moving-average keep factor
 # numpy's seed range: stock seeds numpy with seed + rank, and a negative seed is a traceback there
 SEED = Number(0, 2 ** 32 - 1, integer=True, words='an integer in [0, 2**32 - 1]')
 INTERPOLATIONS = ('bilinear', 'bicubic', 'nearest', 'box', 'hamming', 'lanczos')  # timm's resize modes
+DATASET_PREFIXES = ('torch', 'hfds', 'hfids', 'tfds', 'wds')  # timm.data.create_dataset's
 
 # Shared by train.py and validate.py, where the flag means the same in both.
 COMMON_DOMAINS: Mapping[str, Domain] = {
@@ -238,6 +264,8 @@ COMMON_DOMAINS: Mapping[str, Domain] = {
     'seed': SEED,
     'naflex_max_seq_len': POSITIVE_INT,
     'fuser': Names(('', 'te', 'old', 'nvfuser')),  # timm.utils.set_jit_fuser's names
+    'dataset': Rule(_is_dataset, f"'' or a folder/tar reader name, or {'/, '.join(DATASET_PREFIXES)}/<name>"),
+    'input_img_mode': ImageMode(),
 }
 
 TRAIN_DOMAINS: Mapping[str, Domain] = {
