@@ -4,7 +4,9 @@
 Every stock flag and `-c/--config` YAML works as in timm; what differs is fixed behaviour: exactly ceil(n/k)
 optimizer updates per epoch with gradient accumulation (a true mean in the shorter last window), no host sync per
 micro-batch, crash-safe checkpoints with a resume that continues inside an interrupted epoch, DDP on CPU (gloo),
-safetensors export of the best and last weights, and one-line errors for bad input. Beyond stock: `--oom-recover`
+safetensors export of the best and last weights, one-line errors for bad input (`timm_ext.arg_checks`), a full disk
+or a lost DDP rank, and SIGTERM / SIGINT ending the run after a complete update saved as a recovery checkpoint
+(exit 128 + signal; stock exits 0 on Ctrl-C and dies mid-step on SIGTERM). Beyond stock: `--oom-recover`
 survives out-of-memory errors with the same updates (smaller micro-batches, more accumulation), and
 `--log-noise-scale` estimates the critical batch size (noise_scale.csv).
 

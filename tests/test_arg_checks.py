@@ -16,11 +16,12 @@ import yaml
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.arg_checks import (
-    TRAIN_DOMAINS, TUNE_DOMAINS, VALIDATE_DOMAINS, folder_problem, numeric_dests, split_problem,
+    TRAIN_DOMAINS, TUNE_DOMAINS, VALIDATE_DOMAINS, folder_problem, numeric_dests, split_problem, train_input_problem,
     writable_file_problem,
 )
 from timm_ext.checkpoint import atomic_torch_save
 from timm_ext.train_args import build_parser, parse_args
+from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations
 from timm_ext.validate_args import build_validate_parser, parse_validate_args
 
 
@@ -74,6 +75,8 @@ BAD_NAMES = [
     ('--worker-seeding', 'none'), ('--eval-metric', 'acc'), ('--interpolation', 'cubic'),
     ('--train-interpolation', 'area'), ('--model-dtype', 'int8'), ('--lr-base-scale', 'cubic'),
     ('--amp-dtype', 'float8'), ('--mem-budget', '12'), ('--mem-budget', '0'), ('--mem-budget', '-1GiB'),
+    ('--train-crop-mode', 'centre'), ('--fuser', 'llvm'), ('--input-img-mode', 'L'), ('--input-img-mode', 'XYZ'),
+    ('--dataset', 'folder2/x'),
 ]
 
 
@@ -185,6 +188,8 @@ def test_unknown_name_is_one_line(flag, value, capsys):
     ['--sched', 'none'], ['--model', 'resnet50.a1_in1k'], ['--model', 'hf-hub:timm/resnet18.a1_in1k'],
     ['--lr-noise', '0.4', '0.9'], ['--opt-betas', '0.9', '0.99', '0.999'], ['--clip-grad', '1'],
     ['--scale', '1', '1'], ['--mem-budget', '0.5'], ['--mem-budget', '2GiB'], ['--smoothing', '0'],
+    ['--dataset', 'torch/cifar10'], ['--dataset', 'imagefolder'], ['--input-img-mode', 'L', '--in-chans', '1'],
+    ['--input-img-mode', 'RGB'],
 ], ids=lambda a: ' '.join(a))
 def test_values_stock_gives_a_meaning_are_kept(argv):
     parse_args(argv, parser=TUNE.build_tune_parser(), domains={**TRAIN_DOMAINS, **TUNE_DOMAINS})
@@ -296,3 +301,60 @@ def test_validate_refuses_a_missing_split_beside_others(image_folder, capsys):
     assert exc.value.code == 2
     assert "--split 'holdout': no such folder" in _one_error_line(capsys)
     assert parse_validate_args(['--data-dir', str(image_folder), '--split', 'val']).split == 'val'  # a synonym
+
+
+@pytest.mark.parametrize('argv, world, words', [
+    (['--mixup', '0.5', '-b', '3'], 1, 'must be even'),
+    (['--cutmix', '1', '--train-img-sizes', '32', '48', '--train-batch-sizes', '4', '3'], 1, 'must be even'),
+    (['--aug-repeats', '3'], 1, 'only in distributed training'),
+    (['--oom-grow-back', '5'], 1, 'add --oom-recover'),
+    (['--log-noise-scale'], 1, 'pass --grad-accum-steps 2 or more'),
+])
+def test_combinations_stock_asserts_on_are_refused(argv, world, words):
+    args = parse_args(argv, parser=build_parser(prog='train.py'))[0]
+    with pytest.raises(UsageError, match=words):
+        check_arg_combinations(args, world_size=world)
+
+
+@pytest.mark.parametrize('argv, world', [(['--mixup', '0.5', '-b', '4'], 1), (['--aug-repeats', '3'], 2),
+                                         (['--log-noise-scale'], 2)])
+def test_combinations_that_work_pass(argv, world):
+    check_arg_combinations(parse_args(argv, parser=build_parser(prog='train.py'))[0], world_size=world)
+
+
+def test_fewer_classes_than_the_split_has_is_refused(image_folder):
+    args = parse_args(['--data-dir', str(image_folder), '--num-classes', '2'], parser=build_parser())[0]
+    with pytest.raises(SetupError, match="'train' split has 3 classes but the model has 2 outputs"):
+        build_datasets(args, 'RGB')
+    args.num_classes = 3
+    assert len(build_datasets(args, 'RGB')[0]) == 24
+
+
+def test_run_folder_that_is_a_file_and_a_missing_validation_split(image_folder, tmp_path):
+    (tmp_path / 'exp').write_text('x')
+    args = parse_args(['--data-dir', str(image_folder), '--output', str(tmp_path), '--experiment', 'exp'])[0]
+    assert train_input_problem(args) == f'--output/--experiment {tmp_path / "exp"} is a file; pass a folder'
+    only_train = tmp_path / 'only_train'
+    (only_train / 'train').mkdir(parents=True)
+    args = parse_args(['--data-dir', str(only_train), '--output', str(tmp_path / 'out')])[0]
+    assert "pass --val-split '' to train without one" in train_input_problem(args)
+    args = parse_args(['--data-dir', str(only_train), '--output', str(tmp_path / 'out'), '--val-split', ''])[0]
+    assert train_input_problem(args) is None
+
+
+def test_yaml_null_for_a_flag_without_an_unset_meaning_is_refused(tmp_path, capsys):
+    parser = build_parser(prog='train.py')
+    refused = 0
+    for action in parser._actions:
+        if action.dest in ('help', 'config'):
+            continue
+        config = tmp_path / f'{action.dest}.yaml'
+        config.write_text(f'{action.dest}: null\n')
+        if action.default is None:  # unset is the default: kept
+            assert getattr(parse_args(['-c', str(config)], parser=parser)[0], action.dest) is None
+            continue
+        with pytest.raises(SystemExit):
+            parse_args(['-c', str(config)], parser=parser)
+        assert 'got None (null); allowed:' in _one_error_line(capsys)
+        refused += 1
+    assert refused > 100

@@ -213,8 +213,8 @@ import sys
 from timm_ext.probe import FIT, Trial
 from timm_ext.probe_cache import ProbeCache
 cache, n = ProbeCache(sys.argv[1]), int(sys.argv[2])
-for i in range(200):
-    cache.put({'model': 'test_resnet', 'budget': 1}, [Trial(n, FIT, peak_bytes=i, error='x' * 20000)] * 50)
+for i in range(100):
+    cache.put({'model': 'test_resnet', 'budget': 1}, [Trial(n, FIT, peak_bytes=i, error='x' * 5000)] * 50)
 """
 
 

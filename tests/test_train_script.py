@@ -215,6 +215,7 @@ BAD_INPUTS = [
     (['--data-dir', '{empty}'], 1, 'cannot read'),
     (['--resume', '{missing}/last.pth.tar'], 1, 'not found'),
     (['--resume', '{corrupt}'], 1, 'not a readable checkpoint'),
+    (['--gp', 'nopool'], 1, 'Invalid pool type: nopool'),
 ]
 
 

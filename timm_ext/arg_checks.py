@@ -20,13 +20,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
+from PIL import Image
+
 from .amp import AMP_DTYPES, MODEL_DTYPES
 from .results import RESULT_FORMATS
 
 __all__ = [
     'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'VALIDATE_DOMAINS',
-    'check_values', 'extension_problem', 'flag_names', 'folder_problem', 'loss_weighting', 'numeric_dests',
-    'split_problem', 'train_input_problem', 'writable_file_problem',
+    'check_values', 'extension_problem', 'flag_defaults', 'flag_names', 'folder_problem', 'loss_weighting',
+    'numeric_dests', 'split_problem', 'train_input_problem', 'writable_file_problem',
 ]
 
 Count = Union[int, Tuple[int, int], None]
@@ -169,6 +171,18 @@ class Rule(Domain):
         return self.words
 
 
+class ImageMode(Domain):
+    """A PIL image mode with one band per input channel (the loader's normalisation needs one of each)."""
+
+    def admits(self, value: Any, args: argparse.Namespace) -> bool:
+        return value in Image.MODES and Image.getmodebands(value) == input_channels(args)
+
+    def allowed(self, args: argparse.Namespace) -> str:
+        channels = input_channels(args)
+        modes = [m for m in Image.MODES if Image.getmodebands(m) == channels]
+        return f'a PIL mode with {channels} band(s), one per input channel: ' + ', '.join(repr(m) for m in modes)
+
+
 def input_channels(args: argparse.Namespace) -> int:
     """Input channels as timm's data config resolves them: --input-size C, else --in-chans, else 3."""
     if getattr(args, 'input_size', None):
@@ -199,6 +213,17 @@ def _is_model(name: Any) -> bool:
     return is_model(name.split('.', 1)[0])  # 'resnet50.a1_in1k': the name before the pretrained tag
 
 
+def _is_dataset(name: Any) -> bool:
+    """'' or a bare name (a folder or tar under --data-dir), or one of the prefixes timm's create_dataset knows.
+
+    Any other 'prefix/name' would fall through to the folder reader and read --data-dir instead, silently.
+    """
+    if not isinstance(name, str):
+        return False
+    prefix, sep, _ = name.partition('/')
+    return not sep or prefix.lower() in DATASET_PREFIXES
+
+
 def _is_budget(text: Any) -> bool:
     from .memory import BudgetError, parse_budget
     try:
@@ -220,6 +245,7 @@ DECAY = Number(0, 1)  # a moving-average keep factor
 # numpy's seed range: stock seeds numpy with seed + rank, and a negative seed is a traceback there
 SEED = Number(0, 2 ** 32 - 1, integer=True, words='an integer in [0, 2**32 - 1]')
 INTERPOLATIONS = ('bilinear', 'bicubic', 'nearest', 'box', 'hamming', 'lanczos')  # timm's resize modes
+DATASET_PREFIXES = ('torch', 'hfds', 'hfids', 'tfds', 'wds')  # timm.data.create_dataset's
 
 # Shared by train.py and validate.py, where the flag means the same in both.
 COMMON_DOMAINS: Mapping[str, Domain] = {
@@ -237,6 +263,9 @@ COMMON_DOMAINS: Mapping[str, Domain] = {
     'model_dtype': Names(tuple(MODEL_DTYPES)),
     'seed': SEED,
     'naflex_max_seq_len': POSITIVE_INT,
+    'fuser': Names(('', 'te', 'old', 'nvfuser')),  # timm.utils.set_jit_fuser's names
+    'dataset': Rule(_is_dataset, f"'' or a folder/tar reader name, or {'/, '.join(DATASET_PREFIXES)}/<name>"),
+    'input_img_mode': ImageMode(),
 }
 
 TRAIN_DOMAINS: Mapping[str, Domain] = {
@@ -309,6 +338,7 @@ TRAIN_DOMAINS: Mapping[str, Domain] = {
     'mixup_off_epoch': NON_NEGATIVE_INT,
     'smoothing': FRACTION,
     'train_interpolation': Names(('', 'random') + INTERPOLATIONS),
+    'train_crop_mode': Names(('rrc', 'rkrc', 'rkrr')),  # random-resized, keep-ratio crop, keep-ratio resize
     'drop': FRACTION,
     'drop_connect': FRACTION,
     'drop_path': FRACTION,
@@ -373,18 +403,32 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     return {a.dest: '/'.join(a.option_strings) or a.dest for a in parser._actions}
 
 
-def check_values(args: argparse.Namespace, domains: Mapping[str, Domain],
-                 flags: Mapping[str, str]) -> Optional[str]:
+def flag_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Each dest's own default in `parser` (for `check_values`)."""
+    return {a.dest: a.default for a in parser._actions}
+
+
+def check_values(args: argparse.Namespace, domains: Mapping[str, Domain], flags: Mapping[str, str],
+                 defaults: Optional[Mapping[str, Any]] = None) -> Optional[str]:
     """The first flag whose value is outside its domain, as a one-line message; None when all are allowed.
 
     Args:
         args: Parsed arguments (after the config merge).
-        domains: Domain by dest; dests missing from `args` are skipped, and unset (None) values too.
+        domains: Domain by dest; dests missing from `args` are skipped.
         flags: How each dest is written in messages (`flag_names`).
+        defaults: The parser's own default by dest. Unset (None) is allowed where the default is None (the flag
+            has an 'unset' meaning); elsewhere only a YAML `null` can make it None, and stock would crash on it.
     """
-    for dest, domain in domains.items():
-        value = getattr(args, dest, None)
-        if value is not None and not domain.admits(value, args):
+    defaults = defaults or {}
+    for dest in [*domains, *(d for d in defaults if d not in domains)]:
+        if not hasattr(args, dest):
+            continue
+        value, domain = getattr(args, dest), domains.get(dest)
+        if value is None:
+            if defaults.get(dest) is not None:
+                allowed = domain.allowed(args) if domain is not None else f'a value like the default {defaults[dest]!r}'
+                return f'argument {flags.get(dest, dest)}: got None (null); allowed: {allowed}'
+        elif domain is not None and not domain.admits(value, args):
             shown = list(value) if isinstance(value, tuple) else value
             return f'argument {flags.get(dest, dest)}: got {shown!r}; allowed: {domain.allowed(args)}'
     return None
@@ -451,12 +495,18 @@ def writable_file_problem(flag: str, path: str) -> Optional[str]:
     return None
 
 
-def split_problem(flag: str, root: str, split: str) -> Optional[str]:
+def split_problem(flag: str, root: str, split: str, hint: str = '') -> Optional[str]:
     """Why a folder dataset's split cannot be read as asked, or None.
 
     timm looks for the split (or a synonym: 'val' for 'validation', ...) under the root and silently reads the root
     itself when there is none. That is right for a root of class folders, but a root that holds other splits would
     have them read as classes: refused.
+
+    Args:
+        flag: The flag that names the split, for the message.
+        root: The dataset root.
+        split: The split's name.
+        hint: What else the user may pass, appended to the message.
     """
     from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM
     if not split or not os.path.isdir(root):
@@ -468,7 +518,7 @@ def split_problem(flag: str, root: str, split: str) -> Optional[str]:
     splits = sorted(s for s in (*_TRAIN_SYNONYM, *_EVAL_SYNONYM) if os.path.isdir(os.path.join(root, s)))
     if splits:
         return (f'{flag} {split!r}: no such folder in {root} (it has {", ".join(s + "/" for s in splits)}); '
-                f'timm would read those split folders as classes')
+                f'timm would read those split folders as classes{hint}')
     return None
 
 
@@ -490,13 +540,17 @@ def train_input_problem(args: argparse.Namespace) -> Optional[str]:
                        ('--class-map', args.class_map)):
         if path and not os.path.isfile(path):
             return f'{flag} file not found: {path}'
-    problem = folder_problem('--output', args.output or os.path.join('output', 'train'))
+    output = args.output or os.path.join('output', 'train')
+    problem = folder_problem('--output', output)
+    if not problem and args.experiment:  # the run folder itself, when its name is known now
+        problem = folder_problem('--output/--experiment', os.path.join(output, args.experiment))
     if problem:
         return problem
     root = args.data_dir or args.data
     if root and '/' not in args.dataset:  # a folder dataset: timm resolves the splits under the root
-        for flag, split in (('--train-split', args.train_split), ('--val-split', args.val_split)):
-            problem = split_problem(flag, root, split)
+        for flag, split, hint in (('--train-split', args.train_split, ''),
+                                  ('--val-split', args.val_split, "; pass --val-split '' to train without one")):
+            problem = split_problem(flag, root, split, hint)
             if problem:
                 return problem
     if args.resume:

@@ -20,7 +20,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 import yaml
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
-from .arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_names
+from .arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_defaults, flag_names
 from .errors import TimmExtError
 
 __all__ = [
@@ -627,7 +627,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     Applies to the resolved values, so a bad value from a config file fails the same way. The domains are in
     `timm_ext.arg_checks`; stock timm accepts many of these values and fails later, or trains on them silently.
     """
-    problem = check_values(args, domains, flag_names(parser))
+    problem = check_values(args, domains, flag_names(parser), flag_defaults(parser))
     if problem:
         parser.error(problem)
 

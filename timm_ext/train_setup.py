@@ -59,6 +59,12 @@ def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] =
         (not args.no_prefetcher and args.aug_splits and _mixup_active(args) and not args.naflex_loader,
          'mixup/cutmix with --aug-splits needs --no-prefetcher (the fast collate cannot de-interleave splits)'),
         (args.naflex_loader and args.aug_splits > 1, '--aug-splits does not work with --naflex-loader'),
+        (_mixup_active(args) and any(b % 2 for b in [args.batch_size, *(args.train_batch_sizes or [])]),
+         'mixup/cutmix mix each sample with another of its batch: -b/--batch-size (and --train-batch-sizes) must be '
+         'even'),
+        (args.aug_repeats > 0 and world_size < 2,
+         '--aug-repeats shards repeated samples across processes (timm supports it only in distributed training); '
+         'train on 2+ processes or drop it'),
     ]
     for failed, message in rules:
         if failed:
@@ -135,7 +141,7 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
         )
     except TypeError as e:  # an unexpected keyword from --model-kwargs or a flag the model does not take
         raise SetupError(f'model {name!r} cannot be built with these arguments: {_first_line(e)}') from None
-    except (RuntimeError, OSError, ValueError) as e:
+    except (RuntimeError, OSError, ValueError, AssertionError) as e:  # timm asserts on e.g. an unknown --gp
         what = 'pretrained weights' if args.pretrained else 'weights' if args.initial_checkpoint else 'model'
         raise SetupError(f'cannot create {name!r} ({what}): {_first_line(e)}') from None
 
@@ -230,7 +236,20 @@ def build_datasets(args: argparse.Namespace, img_mode: str) -> Tuple[Any, Any]:
 
     dataset_train = make(args.train_split, True, args.train_num_samples, seed=args.seed, repeats=args.epoch_repeats)
     dataset_eval = make(args.val_split, False, args.val_num_samples) if args.val_split else None
+    for split, dataset in ((args.train_split, dataset_train), (args.val_split, dataset_eval)):
+        _check_class_count(args.num_classes, split, dataset)
     return dataset_train, dataset_eval
+
+
+def _check_class_count(num_classes: Optional[int], split: str, dataset: Any) -> None:
+    """A classifier with fewer outputs than a folder split has classes fails at the first loss (index error)."""
+    classes = getattr(getattr(dataset, 'reader', None), 'class_to_idx', None)
+    if num_classes is None or not classes:
+        return
+    needed = max(classes.values()) + 1
+    if num_classes < needed:
+        raise SetupError(f'the {split!r} split has {needed} classes but the model has {num_classes} outputs; '
+                         f'pass --num-classes {needed}')
 
 
 def mixup_kwargs(args: argparse.Namespace) -> Optional[dict]:
