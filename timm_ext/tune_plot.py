@@ -41,9 +41,10 @@ def write_probe_plot(path: str, trials: Sequence, chosen_micro: int, choice=None
     speed_ax.set_title('probe trials')
     if panels == 2:
         ax = axes[0][1]
-        sizes = [c.global_batch for c in choice.candidates]
-        ax.bar([str(g) for g in sizes], [c.predicted_s for c in choice.candidates],
+        positions = range(len(choice.candidates))
+        ax.bar(positions, [c.predicted_s for c in choice.candidates],
                color=['green' if c == choice.chosen else 'lightgray' for c in choice.candidates])
+        ax.set_xticks(list(positions), [str(c.global_batch) for c in choice.candidates])
         ax.set_xlabel('global batch')
         ax.set_ylabel('predicted time to the recipe\'s result (s)')
         ax.set_title('global batches judged (green: chosen)')
