@@ -30,6 +30,7 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm_ext import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
 from timm_ext.arg_checks import loss_weighting
+from timm_ext.atomic_files import append_csv_row, atomic_text, remove_stale_tmp_files
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import init_device, lost_peer
 from timm_ext.errors import TimmExtError, report
@@ -132,8 +133,8 @@ def train(args, args_text: str) -> int:
         exp_name = experiment_name(args, data_config, datetime.now().strftime('%Y%m%d-%H%M%S'))
         output_dir = os.path.join(args.output or './output/train', exp_name)
         os.makedirs(output_dir, exist_ok=True)
-        ckpt.remove_stale_tmp_files(output_dir)
-        ckpt.atomic_text(args_text, os.path.join(output_dir, 'args.yaml'))
+        remove_stale_tmp_files(output_dir)
+        atomic_text(args_text, os.path.join(output_dir, 'args.yaml'))
         saver = ckpt.CheckpointManager(output_dir, decreasing, args.checkpoint_hist, not args.no_safetensors)
         if resumed is not None and os.path.samefile(os.path.dirname(os.path.abspath(args.resume)), output_dir):
             # continuing in the run's own folder: keep its checkpoint ranking, and its summary up to the restart
@@ -250,7 +251,7 @@ def train(args, args_text: str) -> int:
                 row = summary_row(epoch, train_metrics, eval_metrics, sum(lrs) / len(lrs))
                 if args.log_wandb and wandb is not None:
                     wandb.log(row)
-                ckpt.append_csv_row(os.path.join(output_dir, 'summary.csv'), row)
+                append_csv_row(os.path.join(output_dir, 'summary.csv'), row)
             if saver is not None:
                 epoch_state = state(epoch, metric)
                 weights = epoch_state.get('state_dict_ema', epoch_state['state_dict'])
@@ -295,7 +296,7 @@ def drop_summary_rows(path: str, from_epoch: int) -> None:
         lines = f.read().splitlines(keepends=True)
     kept = lines[:1] + [line for line in lines[1:] if int(line.split(',', 1)[0]) < from_epoch]
     if len(kept) != len(lines):
-        ckpt.atomic_text(''.join(kept), path)
+        atomic_text(''.join(kept), path)
 
 
 if __name__ == '__main__':

@@ -40,7 +40,7 @@ from timm_ext.batch_choice import (
     MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
     scaled_schedule, speeds_by_micro_batch, tuning_pays, updates_per_epoch,
 )
-from timm_ext.checkpoint import atomic_text
+from timm_ext.atomic_files import atomic_text
 from timm_ext.critical_batch import (
     ESTIMATE_ACCUM, ESTIMATE_MICRO_BATCH, ESTIMATE_WINDOWS, estimate_samples, measure_noise_scale,
 )

@@ -8,19 +8,20 @@ import torch
 from timm.models import load_checkpoint
 from timm.task import ClassificationTask
 
+from timm_ext import atomic_files
 from timm_ext import checkpoint as ckpt
 
 
 def test_atomic_write_failure_keeps_the_old_file_and_no_temp(tmp_path):
     path = tmp_path / 'last.pth.tar'
-    ckpt.atomic_torch_save({'v': 1}, path)
+    atomic_files.atomic_torch_save({'v': 1}, path)
 
     def half_write(tmp):
         tmp.write_bytes(b'partial')
         raise KeyboardInterrupt  # killed mid-write
 
     with pytest.raises(KeyboardInterrupt):
-        ckpt.atomic_write(path, half_write)
+        atomic_files.atomic_write(path, half_write)
     assert torch.load(path)['v'] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ['last.pth.tar']
 
@@ -29,15 +30,15 @@ def test_stale_temp_files_are_hidden_and_removed(tmp_path):
     stale = tmp_path / '.last.pth.tar.1234.tmp'
     stale.write_bytes(b'torn')
     assert not list(tmp_path.glob('*.pth.tar'))  # a torn temp file never looks like a checkpoint
-    assert ckpt.remove_stale_tmp_files(tmp_path) == [stale]
+    assert atomic_files.remove_stale_tmp_files(tmp_path) == [stale]
     assert not stale.exists()
 
 
 def test_duplicate_survives_replacing_its_source(tmp_path):
     src, dst = tmp_path / 'last.pth.tar', tmp_path / 'model_best.pth.tar'
-    ckpt.atomic_torch_save({'v': 1}, src)
-    ckpt.atomic_duplicate(src, dst)
-    ckpt.atomic_torch_save({'v': 2}, src)
+    atomic_files.atomic_torch_save({'v': 1}, src)
+    atomic_files.atomic_duplicate(src, dst)
+    atomic_files.atomic_torch_save({'v': 2}, src)
     assert torch.load(dst)['v'] == 1 and torch.load(src)['v'] == 2
 
 
@@ -147,7 +148,7 @@ def test_training_state_loads_with_timm_and_exports_safetensors(tmp_path):
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     torch.manual_seed(3)
     state = ckpt.rng_state()
-    ckpt.atomic_torch_save({'rng': state, 'state_dict': {}}, tmp_path / 'c.pth.tar')
+    atomic_files.atomic_torch_save({'rng': state, 'state_dict': {}}, tmp_path / 'c.pth.tar')
     want = torch.rand(3)
     loaded = ckpt.load_training_checkpoint(tmp_path / 'c.pth.tar')
     ckpt.set_rng_state(loaded['rng'])

@@ -15,7 +15,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import atomic_text
+from .atomic_files import atomic_text
 from .distributed import reduce_mean
 from .noise_scale import NoiseScaleEstimator, grads_of, squared_norm, two_batch_estimates
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import timm
 import torch
 
-from .checkpoint import CheckpointError, atomic_text
+from .atomic_files import DiskFullError, atomic_text
 from .probe import Trial
 
 __all__ = ['cache_dir', 'probe_key', 'ProbeCache']
@@ -103,7 +103,7 @@ class ProbeCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_text(json.dumps({'key': key, 'trials': [t.to_dict() for t in trials]}, indent=1), path)
-        except (OSError, CheckpointError) as e:
+        except (OSError, DiskFullError) as e:
             _logger.warning(f'Could not write the probe cache {path} ({e}); the result is not cached')
             return None
         return path

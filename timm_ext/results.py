@@ -10,7 +10,7 @@ import io
 import json
 from typing import Any, Dict, List, Sequence, Union
 
-from .checkpoint import atomic_text
+from .atomic_files import atomic_text
 
 __all__ = ['RESULT_FORMATS', 'results_text', 'write_results']
 
