@@ -128,6 +128,8 @@ def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def main(argv: Optional[List[str]] = None) -> int:
     utils.setup_default_logging()
+    if 'TORCHELASTIC_RUN_ID' in os.environ:  # a probing rank: end with its launcher, as its trials end with it
+        die_with_parent(os.getppid())
     parser = build_tune_parser()
     args, _ = parse_args(argv, parser=parser, domains={**TRAIN_DOMAINS, **TUNE_DOMAINS})
     _check_tune_args(parser, args)

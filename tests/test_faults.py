@@ -255,3 +255,27 @@ def test_sigkill_during_probe_leaves_no_trial_process(long_folder, tmp_path):
     finally:
         proc.kill()
     assert not (tmp_path / 'c').exists() or not list((tmp_path / 'c').iterdir())
+
+
+def descendants(pid: int) -> list:
+    found = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def test_sigkill_during_a_two_rank_probe_leaves_no_process(long_folder, tmp_path):
+    """tune_batch -> torchrun -> 2 probing ranks -> their trial processes: killing the top ends them all."""
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(long_folder), '--model', 'test_resnet',
+         '--device', 'cpu', '--num-classes', '3', '--img-size', '160', '-j', '0', '--mem-budget', '600MiB',
+         '--probe-start', '32', '--nproc', '2', '--dry-run'], cwd=tmp_path,
+        env={**ENV, 'TIMM_EXT_CACHE_DIR': str(tmp_path / 'c')}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(descendants(proc.pid)) >= 5, 120, 'torchrun, 2 ranks and their trial processes')
+        tree = descendants(proc.pid)
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(running(pid) for pid in tree), 5, 'every process under the probe to end')
+    finally:
+        proc.kill()
