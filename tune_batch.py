@@ -60,7 +60,7 @@ from timm_ext.probe_train import (
     ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
 )
 from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
-from timm_ext.train_setup import SetupError, build_datasets, check_arg_combinations, check_inputs
+from timm_ext.train_setup import SetupError, batch_multiple, build_datasets, check_arg_combinations, check_inputs
 from timm_ext.tune_plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
     tuned_config_text,
@@ -313,7 +313,8 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
         print(f'Noise scale: {ESTIMATE_WINDOWS} windows of {ESTIMATE_ACCUM} x {estimate_micro} on the real data.',
               flush=True)
     noise = measure_noise_scale(args, request.device, estimate_micro)
-    speeds = speeds_by_micro_batch(searched.trials)
+    multiple = batch_multiple(args)
+    speeds = {m: s for m, s in speeds_by_micro_batch(searched.trials).items() if m % multiple == 0}
     speeds.setdefault(plan.micro_batch, speed)
     choice = choose_global_batch((plan.micro_batch, plan.accum_steps), speeds, world_size, train_samples,
                                  args.epochs, noise)

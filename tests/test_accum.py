@@ -54,3 +54,10 @@ def test_plan_rejects_bad_values(kwargs, name):
 def test_windows_reject_bad_values():
     with pytest.raises(ValueError, match='accum_steps'):
         accumulation_windows(10, 0)
+
+
+def test_mixup_plans_only_even_micro_batches():
+    assert (plan_accumulation(18, 1, 16).micro_batch, plan_accumulation(18, 1, 16).accum_steps) == (9, 2)
+    even = plan_accumulation(18, 1, 16, multiple=2)
+    assert even.micro_batch % 2 == 0 and not even.exact and abs(even.global_batch - 18) <= 2
+    assert plan_accumulation(64, 2, 15, multiple=2).micro_batch % 2 == 0

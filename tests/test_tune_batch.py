@@ -333,3 +333,10 @@ def test_real_digits_tune_then_train_is_well_above_chance(tmp_path):
     rows = (out_dir / 'digits' / 'summary.csv').read_text().splitlines()[1:]
     best = max(float(row.split(',')[3]) for row in rows)
     assert best > 50, f'10 classes: chance is 10%, got best top-1 {best}'
+
+
+def test_mixup_runs_get_an_even_micro_batch_from_the_planner():
+    args = train_namespace('--mixup', '0.2', '-b', '8')
+    plan = plan_run(args, max_micro_batch=15, world_size=1)
+    assert plan.micro_batch == 14 and 'even' in plan.reason
+    assert plan_run(args, max_micro_batch=15, world_size=1, target_global=18).micro_batch % 2 == 0

@@ -48,7 +48,7 @@ class AccumPlan:
     reason: str
 
 
-def plan_accumulation(target_global: int, world_size: int, max_micro_batch: int) -> AccumPlan:
+def plan_accumulation(target_global: int, world_size: int, max_micro_batch: int, multiple: int = 1) -> AccumPlan:
     """Choose (micro-batch, accumulation) for a wanted global batch on `world_size` ranks.
 
     Only micro-batches of at least half the largest usable one are considered: a split that is exact only with
@@ -60,12 +60,15 @@ def plan_accumulation(target_global: int, world_size: int, max_micro_batch: int)
         target_global: Samples per optimizer update wanted (e.g. a recipe's batch_size x GPUs x accum).
         world_size: Number of ranks.
         max_micro_batch: Largest micro-batch that fits on one rank (from the probe).
+        multiple: Every micro-batch must be a multiple of this (2 under mixup, see `train_setup.batch_multiple`).
     """
     _check_int('target_global', target_global)
     _check_int('world_size', world_size)
     _check_int('max_micro_batch', max_micro_batch)
+    _check_int('multiple', multiple)
     usable = min(max_micro_batch, math.ceil(target_global / world_size))
-    candidates = range(usable, math.ceil(usable / 2) - 1, -1)
+    usable = max(multiple, usable - usable % multiple)
+    candidates = range(usable, max(multiple, math.ceil(usable / 2)) - 1, -multiple)
 
     def plan(micro_batch: int, accum_steps: int, reason: str) -> AccumPlan:
         global_batch = micro_batch * world_size * accum_steps

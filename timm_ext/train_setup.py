@@ -59,7 +59,7 @@ def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] =
         (not args.no_prefetcher and args.aug_splits and _mixup_active(args) and not args.naflex_loader,
          'mixup/cutmix with --aug-splits needs --no-prefetcher (the fast collate cannot de-interleave splits)'),
         (args.naflex_loader and args.aug_splits > 1, '--aug-splits does not work with --naflex-loader'),
-        (_mixup_active(args) and any(b % 2 for b in [args.batch_size, *(args.train_batch_sizes or [])]),
+        (any(b % batch_multiple(args) for b in [args.batch_size, *(args.train_batch_sizes or [])]),
          'mixup/cutmix mix each sample with another of its batch: -b/--batch-size (and --train-batch-sizes) must be '
          'even'),
         (args.aug_repeats > 0 and world_size < 2,
@@ -97,6 +97,12 @@ def check_compile_backend(backend: str, device: torch.device) -> None:
 
 def _mixup_active(args: argparse.Namespace) -> bool:
     return args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
+
+
+def batch_multiple(args: argparse.Namespace) -> int:
+    """What every micro-batch must be a multiple of: 2 with mixup/cutmix (each sample is mixed with another of its
+    batch, so timm's mixup refuses an odd batch), else 1."""
+    return 2 if _mixup_active(args) else 1
 
 
 def resolve_model_dtype(args: argparse.Namespace) -> Optional[torch.dtype]:

@@ -15,6 +15,7 @@ import yaml
 
 from .accum import plan_accumulation
 from .lr import default_lr_scale, rescale_lr, resolve_lr
+from .train_setup import batch_multiple
 
 __all__ = [
     'RunPlan', 'plan_run', 'plan_global_batch', 'config_values', 'tuned_config_text', 'extension_flags',
@@ -64,12 +65,15 @@ def plan_run(args: argparse.Namespace, max_micro_batch: int, world_size: int,
     global batch by train.py's own rule.
     """
     scale = args.lr_base_scale or default_lr_scale(args.opt)
+    multiple = batch_multiple(args)
     if target_global is not None:
-        accum = plan_accumulation(target_global, world_size, max_micro_batch)
+        accum = plan_accumulation(target_global, world_size, max_micro_batch, multiple)
         micro, steps, exact, reason = accum.micro_batch, accum.accum_steps, accum.exact, accum.reason
     else:
-        micro, steps, exact = max_micro_batch, args.grad_accum_steps, None
+        micro, steps, exact = max(multiple, max_micro_batch - max_micro_batch % multiple), args.grad_accum_steps, None
         reason = f'no --target-global-batch: the selected micro-batch, with --grad-accum-steps {steps} as given'
+        if micro != max_micro_batch:
+            reason += f' (mixup/cutmix need an even batch: {micro}, not {max_micro_batch})'
     global_batch = micro * world_size * steps
     if args.lr:
         if target_global is not None and not exact:
