@@ -19,7 +19,8 @@ Three things differ from the run on purpose, each to keep a trial one honest, se
   does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
   but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
 
-`probe_train_batch` runs the whole probe: budget, cap, search, re-timing (throughput choice), choice.
+`probe_train_batch` runs the whole probe: budget, cap, the search aimed at the headroom's limit, re-timing
+(throughput choice), choice.
 """
 import argparse
 import copy
@@ -35,8 +36,8 @@ from timm.optim import create_optimizer_v2, optimizer_kwargs
 from .amp import resolve_amp
 from .memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .probe import (
-    ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
-    measured_trial, retime_trials, search_batch_size, select_batch_size,
+    ERROR, BatchGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
+    measured_trial, retime_trials, search_batch_size, select_batch_size, default_grid,
 )
 from .train_loop import LoopConfig, TrainLoop
 from .train_setup import SetupError, build_model, build_task, build_train_loss, resolve_model_dtype
@@ -220,7 +221,7 @@ def probe_train_batch(
         throughput_tol: Tolerance of the throughput choice.
         start: First batch size tried.
         max_batch: Largest batch worth trying (dataset size, --max-batch).
-        grid: Sizes tried between a fit and a failure (default: timm's decay grid).
+        grid: The sizes trials may take (default: multiples of the device's `default_batch_multiple`).
         timed_steps: Timed updates per trial after the warm-up update.
         on_trial: Called with each trial as it completes.
         retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
@@ -246,8 +247,9 @@ def probe_train_batch(
             capped=True, before=setup.reset, isolate=isolate)
         trial = agree_across_ranks(trial)
         accept = headroom_accept(budget_bytes, headroom)
-        grid = grid or DecayGrid()
-        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial)
+        grid = grid or default_grid(device.type)
+        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
+                                   peak_limit=accept.limit)
         if select == 'throughput':
             trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
     selection = select_batch_size(trials, select, throughput_tol, context)
