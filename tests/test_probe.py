@@ -191,7 +191,8 @@ def test_aimed_probe_down_from_an_asked_size_spends_one_trial_when_it_fits():
     accept = headroom_accept(1000, 0.1)
     memory = LinearMemory(100.0, 8.0, 1000)
     trials = search_batch_size(memory, 60, max_batch=60, grid=MultipleGrid(8), accept=accept, peak_limit=accept.limit)
-    assert memory.calls == [60]  # a recipe's batch is tried as it is, on the grid or not and select_batch_size(trials).batch_size == 60
+    assert memory.calls == [60], "a recipe's batch is tried as it is, on the grid or not"
+    assert select_batch_size(trials).batch_size == 60
     over = LinearMemory(100.0, 8.0, 1000)
     trials = search_batch_size(over, 250, max_batch=250, grid=MultipleGrid(8), accept=accept, peak_limit=accept.limit)
     assert over.calls[0] == 250 and select_batch_size(trials).batch_size == 96  # 100 is not a multiple of 8

@@ -5,9 +5,9 @@ OOM (or another error), peak memory, ms per step and samples/s. :func:`search_ba
 linear function of the batch size to the trials so far (:class:`PeakModel`), aims each next trial at the largest
 size predicted under the limit (budget x (1 - headroom)), and settles on the grid's fine step (`--batch-multiple`)
 between the largest accepted size and the smallest one that was not; without a limit it grows x2, then bisects. It
-knows nothing of models, so any trial can use it. With `start == max_batch` it probes down from an asked size. :func:`select_batch_size` turns the table into a choice:
-the largest size that fits within the headroom, or the smallest one within a tolerance of the best throughput.
-One timing per size is easily misled on a shared machine, so before a throughput choice :func:`retime_trials`
+knows nothing of models, so any trial can use it. With `start == max_batch` it probes down from an asked size.
+:func:`select_batch_size` turns the table into a choice: the largest size that fits within the headroom, or the
+smallest one within a tolerance of the best throughput. One timing per size is easily misled on a shared machine, so before a throughput choice :func:`retime_trials`
 times the sizes that could win again, in interleaved rounds; the best is the fastest median, and a smaller size
 counts as within the tolerance only if its slowest timing is.
 
