@@ -7,9 +7,9 @@ size predicted under the limit (budget x (1 - headroom)), and settles on the gri
 between the largest accepted size and the smallest one that was not; without a limit it grows x2, then bisects. It
 knows nothing of models, so any trial can use it. With `start == max_batch` it probes down from an asked size.
 :func:`select_batch_size` turns the table into a choice: the largest size that fits within the headroom, or the
-smallest one within a tolerance of the best throughput. One timing per size is easily misled on a shared machine, so before a throughput choice :func:`retime_trials`
-times the sizes that could win again, in interleaved rounds; the best is the fastest median, and a smaller size
-counts as within the tolerance only if its slowest timing is.
+smallest one within a tolerance of the best throughput. One timing per size is easily misled on a shared machine,
+so before a throughput choice :func:`retime_trials` times the sizes that could win again, in interleaved rounds;
+the best is the fastest median, and a smaller size counts as within the tolerance only if its slowest timing is.
 
 Under torchrun, wrap the trial with :func:`agree_across_ranks`: each rank runs it, then one collective shares every
 rank's outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes
