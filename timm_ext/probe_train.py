@@ -246,22 +246,29 @@ def probe_train_batch(
             setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
             capped=True, before=setup.reset, isolate=isolate)
         trial = agree_across_ranks(trial)
-        accept = headroom_accept(budget_bytes, headroom)
+        # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
+        accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)
         grid = grid or default_grid(device.type)
         trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
                                    peak_limit=accept.limit)
         if select == 'throughput':
             trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
     selection = select_batch_size(trials, select, throughput_tol, context)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
-        chosen = torch.tensor([selection.batch_size], dtype=torch.int64,
-                              device=device if dist.get_backend() == 'nccl' else 'cpu')
-        dist.all_reduce(chosen, op=dist.ReduceOp.MIN)
-        if chosen.item() != selection.batch_size:
-            pick = next(t for t in trials if t.batch_size == chosen.item())
-            selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
+    # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
+    chosen = _smallest_over_ranks(selection.batch_size, device)
+    if chosen != selection.batch_size:
+        pick = next(t for t in trials if t.batch_size == chosen)
+        selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
     return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+
+
+def _smallest_over_ranks(value: int, device: torch.device) -> int:
+    """The minimum of `value` over the ranks of an initialized process group (`value` itself without one)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
 
 
 def nothing_fits_advice(args: argparse.Namespace) -> str:
