@@ -300,9 +300,11 @@ def _grow(bounds: _Bounds, model: Optional['PeakModel'], surprise: int) -> Tuple
 class PeakModel:
     """Peak memory linear in the batch size, from the measured trials: peak(B) = anchor_peak + slope x (B - anchor).
 
-    The slope is the least-squares slope over every fitting trial with a measured peak (the widest spread of sizes
-    damps the sampling noise of each peak); the line goes through the largest accepted trial, which is nearest the
-    limit, so a model that bends (an offset that changes with the algorithms chosen) is still right where it aims.
+    The line goes through the largest accepted trial, the nearest below the limit. Once a larger size has a measured
+    peak too (a fit over the headroom), the slope is the secant to the nearest such size, so the aim interpolates
+    between the two sizes around the limit: on CPU memory per sample grows a little with the batch (the algorithms
+    chosen change), and a line fitted to small sizes aims too high there. Before that, the slope is the
+    least-squares slope over every measured size (the widest spread damps the sampling noise of each peak).
     With one measured size the line goes through the origin: memory that does not grow with the batch (weights,
     gradients, optimizer state) is >= 0, so that slope is too steep and its aim falls short of the true limit.
 
@@ -333,15 +335,18 @@ class PeakModel:
         if not peaks:
             return None
         sizes = sorted(peaks)
-        if len(sizes) == 1:
+        accepted = [t.batch_size for t in trials if t.accepted and t.batch_size in peaks]
+        anchor = max(accepted) if accepted else sizes[0]
+        above = [b for b in sizes if b > anchor]
+        if above:  # a measured peak on each side of the limit: the secant between them (regula falsi)
+            slope = (peaks[above[0]] - peaks[anchor]) / (above[0] - anchor)
+        elif len(sizes) == 1:
             slope = peaks[sizes[0]] / sizes[0]
         else:
             mean_b, mean_p = statistics.fmean(sizes), statistics.fmean(peaks.values())
             slope = sum((b - mean_b) * (peaks[b] - mean_p) for b in sizes) / sum((b - mean_b) ** 2 for b in sizes)
         if not slope > 0:
             return None
-        accepted = [t.batch_size for t in trials if t.accepted and t.batch_size in peaks]
-        anchor = max(accepted) if accepted else sizes[0]
         return cls(limit, slope, anchor, peaks[anchor], len(sizes) == 1, peaks)
 
     def predicted_limit(self) -> float:
