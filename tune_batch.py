@@ -52,8 +52,8 @@ from timm_ext.memory import (
     MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
 )
 from timm_ext.probe import (
-    SELECT_MODES, BatchGrid, DecayGrid, MultipleGrid, NothingFitsError, die_with_parent, format_table,
-    format_trial, select_batch_size, trials_to_json,
+    SELECT_MODES, BatchGrid, NothingFitsError, default_grid, die_with_parent, format_table, format_trial,
+    select_batch_size, trials_to_json,
 )
 from timm_ext.probe_cache import ProbeCache, probe_key
 from timm_ext.probe_train import (
@@ -97,12 +97,12 @@ def build_tune_parser() -> argparse.ArgumentParser:
     group.add_argument('--throughput-tol', type=float, default=0.05, metavar='FRAC',
                        help='how far below the best samples/s still counts as best (--select throughput)')
     group.add_argument('--batch-multiple', type=int, default=None, metavar='N',
-                       help='try only multiples of N between a fit and a failure (default: the decay grid '
-                            '..., 64, 96, 128, 192, ...)')
+                       help='the fine step of the probe: it tries only multiples of N (default: 8 on CUDA, '
+                            'for tensor cores; 1 on CPU)')
     group.add_argument('--max-batch', type=int, default=None, metavar='N',
                        help='largest micro-batch worth trying (the dataset size per rank is always a limit)')
     group.add_argument('--probe-start', type=int, default=2, metavar='N',
-                       help='first micro-batch tried; the probe doubles it until one does not fit')
+                       help='first micro-batch tried; its measured peak aims the next trial at the budget')
     group.add_argument('--target-global-batch', type=int, default=None, metavar='N',
                        help="keep a recipe's global batch: micro-batch x ranks x accumulation = N (exactly when a "
                             "split exists, else the nearest, with the LR rescaled)")
@@ -337,7 +337,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     the call returns, before training starts on the same device.
     """
     budget = parse_budget(args.mem_budget or '1.0')
-    grid = MultipleGrid(args.batch_multiple) if args.batch_multiple else DecayGrid()
+    grid = default_grid(device.type, args.batch_multiple)
     setup = build_train_trial(args, device)
     dataset_train, _ = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
     train_samples = len(dataset_train)

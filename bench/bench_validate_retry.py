@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""validate.py --retry (probe first, run once) against stock timm's decay-and-rerun, under one real memory cap.
+"""validate.py --retry (every sample computed once) against stock timm's decay-and-rerun and a plain run, under one
+real memory cap.
 
-Both run in fresh processes under `prlimit --data=CAP` (RLIMIT_DATA, so allocations past the cap raise PyTorch's
+All run in fresh processes under `prlimit --data=CAP` (RLIMIT_DATA, so allocations past the cap raise PyTorch's
 "DefaultCPUAllocator: can't allocate memory"), on the same generated image set and the same random-init checkpoint:
 
 - ours:  `validate.py --retry -b 1024`.
+- plain: `validate.py -b N` (no --retry) at the size N ours ended at, stock's warm-up forward included.
 - stock: the policy of timm's validate.py `--retry`, re-implemented here (`--stock-policy` mode of this file): build
   the model, load the checkpoint, build dataset and loader, warm up at the batch size, evaluate; on a RuntimeError
   that `timm.utils.check_batch_size_retry` accepts, step down with `timm.utils.decay_batch_step` and start over.
 
-The cap is the import footprint of a process (measured here) plus `--budget-mib`. Prints and writes (JSON) both
-wall times, their ratio, the top-1 of each, the sizes each tried and the cap.
+The cap is the import footprint of a process (measured here) plus `--budget-mib`. Prints and writes (JSON) the
+wall times, the ratios ours / stock (target <= 0.75) and ours / plain (target <= 1), the top-1 of each, the sizes
+each tried and the cap.
 
     python bench/bench_validate_retry.py                       # resnet50, 224 px, 128 images, -b 1024
     python bench/bench_validate_retry.py --model test_resnet --img-size 64 --budget-mib 300   # a quick smoke run
@@ -73,6 +76,13 @@ def stock_policy(args) -> dict:
     return {'error': error, 'tried': tried}
 
 
+def result_of(proc) -> dict:
+    """The JSON after '--result' in a run's stdout; exits with the run's stderr when there is none."""
+    if '--result\n' not in proc.stdout:
+        sys.exit(f'run failed (exit {proc.returncode}): {proc.stderr[-1500:]}')
+    return json.loads(proc.stdout.split('--result\n', 1)[1])
+
+
 def timed(cmd, env) -> tuple:
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -117,20 +127,20 @@ def main():
             capture_output=True, text=True, env=env, cwd=REPO, check=True)
         cap = int(footprint.stdout.strip()) + args.budget_mib * 2 ** 20
         prlimit = ['prlimit', f'--data={cap}']
-        common = ['--data-dir', str(data), '--checkpoint', str(checkpoint), '-b', str(args.batch_size),
-                  '--img-size', str(args.img_size), '--workers', str(args.workers)]
+
+        def common(batch_size):
+            return ['--data-dir', str(data), '--checkpoint', str(checkpoint), '-b', str(batch_size),
+                    '--img-size', str(args.img_size), '--workers', str(args.workers)]
 
         ours_s, ours = timed(prlimit + [sys.executable, 'validate.py', '--model', args.model, '--retry',
-                                        '--device', 'cpu', '--num-classes', '4', *common], env)
+                                        '--device', 'cpu', '--num-classes', '4', *common(args.batch_size)], env)
         stock_s, stock = timed(prlimit + [sys.executable, __file__, '--stock-policy', '--model', args.model,
-                                          *common], env)
+                                          *common(args.batch_size)], env)
+        ended_at = result_of(ours).get('batch_size')
+        plain_s, plain = timed(prlimit + [sys.executable, 'validate.py', '--model', args.model, '--device', 'cpu',
+                                          '--num-classes', '4', *common(ended_at)], env)
 
-    def result_of(proc):
-        if '--result\n' not in proc.stdout:
-            sys.exit(f'run failed (exit {proc.returncode}): {proc.stderr[-1500:]}')
-        return json.loads(proc.stdout.split('--result\n', 1)[1])
-
-    ours_result, stock_result = result_of(ours), result_of(stock)
+    ours_result, stock_result, plain_result = result_of(ours), result_of(stock), result_of(plain)
     probe_line = next((line for line in ours.stderr.splitlines() if 'Batch-size probe' in line), '')
     report = {
         'model': args.model, 'img_size': args.img_size, 'images': args.images, 'asked_batch_size': args.batch_size,
@@ -141,8 +151,11 @@ def main():
         'stock': {'wall_s': round(stock_s, 2), 'top1': stock_result.get('top1'),
                   'batch_size': stock_result.get('batch_size'), 'tried': stock_result.get('tried'),
                   'error': stock_result.get('error')},
+        'plain': {'wall_s': round(plain_s, 2), 'top1': plain_result.get('top1'), 'batch_size': ended_at},
         'time_ratio': round(ours_s / stock_s, 3),
-        'same_top1': ours_result.get('top1') == stock_result.get('top1'),
+        'ratio_vs_plain': round(ours_s / plain_s, 3),
+        'targets_met': {'vs_stock_le_0.75': ours_s <= 0.75 * stock_s, 'vs_plain_le_1': ours_s <= plain_s},
+        'same_top1': ours_result.get('top1') == stock_result.get('top1') == plain_result.get('top1'),
     }
     print(json.dumps(report, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

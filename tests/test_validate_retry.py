@@ -1,4 +1,5 @@
-"""validate.py --retry: probe first under a real RLIMIT_DATA cap, continue after a mid-pass OOM, never retry others."""
+"""validate.py --retry: the pass is the probe under a real RLIMIT_DATA cap, every sample is computed once, an OOM at
+any point continues from the first unfinished sample, other failures are never retried."""
 import json
 import logging
 import re
@@ -14,10 +15,30 @@ from conftest import REPO_ROOT
 from timm_ext import validation
 from timm_ext.validate_args import build_validate_parser
 
-# The cap is set after the imports, relative to what they take, so it does not depend on the size of torch.
+# The cap is set after the imports, relative to what they take, so it does not depend on the size of torch. With
+# FORWARD_COUNTS set, hooks on the model count, per sample (a fingerprint of its input row), the forwards that
+# completed, and the rows of every forward started, and write both there at exit.
 CAPPED_VALIDATE = textwrap.dedent('''
-    import resource, runpy, sys
-    import torch, timm, timm_ext.validation
+    import atexit, json, os, resource, runpy, sys
+    import torch, timm, timm_ext.validation as validation
+    completed, started = {}, [0]
+    def count_forwards(build):
+        def built(*args, **kwargs):
+            em = build(*args, **kwargs)
+            def before(module, inputs):
+                started[0] += inputs[0].shape[0]
+            def after(module, inputs, output):
+                for row in inputs[0].double():
+                    key = f'{row.sum().item():.8e}/{row.square().sum().item():.8e}'
+                    completed[key] = completed.get(key, 0) + 1
+            em.model.register_forward_pre_hook(before)
+            em.model.register_forward_hook(after)
+            return em
+        return built
+    if os.environ.get('FORWARD_COUNTS'):
+        validation.build_eval_model = count_forwards(validation.build_eval_model)
+        atexit.register(lambda: open(os.environ['FORWARD_COUNTS'], 'w').write(
+            json.dumps({'completed': completed, 'started_rows': started[0]})))
     with open('/proc/self/status') as f:
         vm_data = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmData'))
     resource.setrlimit(resource.RLIMIT_DATA, (vm_data + int(sys.argv[1]) * 2 ** 20, resource.RLIM_INFINITY))
@@ -30,10 +51,12 @@ CAPPED_ARGS = ['--model', 'test_resnet', '--num-classes', '3', '--device', 'cpu'
 BUDGET_MIB = 300
 
 
-def run_capped(budget_mib, *argv):
+def run_capped(budget_mib, *argv, counts=None):
+    env = {'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT), 'PATH': '/usr/bin:/bin'}
+    if counts is not None:
+        env['FORWARD_COUNTS'] = str(counts)
     return subprocess.run([sys.executable, '-c', CAPPED_VALIDATE, str(budget_mib), *map(str, argv)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env={'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT), 'PATH': '/usr/bin:/bin'})
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
 
 
 @pytest.fixture(scope='module')
@@ -50,30 +73,31 @@ def printed_result(proc):
     return json.loads(proc.stdout.split('--result\n', 1)[1])
 
 
-def test_retry_under_a_real_memory_cap_probes_down_then_runs_once(image_folder, checkpoint):
+def test_retry_under_a_real_memory_cap_computes_every_sample_once(image_folder, checkpoint, tmp_path):
+    counts = tmp_path / 'forwards.json'
     proc = run_capped(BUDGET_MIB, '--data-dir', image_folder, '--checkpoint', checkpoint, *CAPPED_ARGS,
-                      '-b', '64', '--retry')
+                      '-b', '64', '--retry', counts=counts)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = printed_result(proc)
-    probe = re.search(r'Batch-size probe: (.*); validating at (\d+)', proc.stderr)
-    assert probe, proc.stderr[-3000:]
-    failed = [int(s) for s in re.findall(r'(\d+) OOM', probe.group(1))]
-    # the 24-image set caps the first trial at 24; 24 cannot fit in the budget, so the log names it
-    assert failed and failed[0] == 24 and failed == sorted(failed, reverse=True)
-    probed = int(probe.group(2))
-    assert probed < min(failed)
-    # glibc's heap can grow over a pass under a cap (fragmentation): then the pass continues at a smaller size,
-    # and the log says so for each step; nothing is rebuilt and no sample is counted twice
+    # the 24-image set caps the first batch at 24, which cannot fit: the pass steps down the decay grid
     steps = [(int(a), int(b)) for a, b in re.findall(r'Batch size (\d+) ran out of memory after \d+ samples '
                                                      r'.*; continuing at (\d+)', proc.stderr)]
-    sizes_run = [probed] + [b for _, b in steps]
-    assert [a for a, _ in steps] == sizes_run[:-1] and result['batch_size'] == sizes_run[-1]
-    assert proc.stderr.count('Model test_resnet created') == 1
+    assert steps and steps[0][0] == 24
+    sizes_run = [24] + [b for _, b in steps]
+    assert [a for a, _ in steps] == sizes_run[:-1] and sizes_run == sorted(sizes_run, reverse=True)
+    assert result['batch_size'] == sizes_run[-1] < 24
+    assert f'validated at {sizes_run[-1]}; every sample computed once' in proc.stderr
+    assert proc.stderr.count('Model test_resnet created') == 1, 'nothing is rebuilt'
     assert re.findall(r'Test: \[.*?\]\s+(\d+) samples', proc.stderr)[-1] == '24'
 
-    # same numbers as an uncapped run at the probed size
+    forwards = json.loads(counts.read_text())
+    assert len(forwards['completed']) == 24, 'each of the 24 images completes a forward, and nothing else does'
+    assert set(forwards['completed'].values()) == {1}, 'a sample was evaluated twice'
+    assert forwards['started_rows'] > 24  # the batches that ran out of memory started, and were not counted
+
+    # same numbers as an uncapped plain run at the size it ended at
     plain = subprocess.run([sys.executable, 'validate.py', '--data-dir', str(image_folder), '--checkpoint',
-                            str(checkpoint), *CAPPED_ARGS, '-b', str(probed)],
+                            str(checkpoint), *CAPPED_ARGS, '-b', str(result['batch_size'])],
                            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     reference = printed_result(plain)
     assert result['top1'] == reference['top1'] and result['top5'] == reference['top5']
@@ -105,26 +129,35 @@ class FailOnce(torch.nn.Module):
     def __init__(self, model, error, fail_at=2):
         super().__init__()
         self.model, self.error, self.fail_at, self.real_batches = model, error, fail_at, 0
+        self.completed = {}  # forwards completed per sample (a fingerprint of its input row)
 
     def forward(self, x):
         if x.abs().sum() > 0:
             self.real_batches += 1
             if self.real_batches == self.fail_at:
                 raise self.error
-        return self.model(x)
+        output = self.model(x)
+        for row in x.double():
+            key = (row.sum().item(), row.square().sum().item())
+            self.completed[key] = self.completed.get(key, 0) + 1
+        return output
 
 
 @pytest.fixture
 def wrap_model(monkeypatch):
-    """Make validation.build_eval_model wrap its model in FailOnce(error)."""
+    """Make validation.build_eval_model wrap its model in FailOnce(error); returns the list of wrapped models."""
+    wrapped = []
+
     def install(error):
         real_build = validation.build_eval_model
 
         def build(*args, **kwargs):
             em = real_build(*args, **kwargs)
             em.model = FailOnce(em.model, error)
+            wrapped.append(em.model)
             return em
         monkeypatch.setattr(validation, 'build_eval_model', build)
+        return wrapped
     return install
 
 
@@ -133,15 +166,16 @@ def test_oom_mid_pass_continues_at_the_next_size_from_the_first_unfinished_sampl
     device = torch.device('cpu')
     reference = validation.validate_model(parse(image_folder, '-b', '8'), 'test_resnet', str(checkpoint), device,
                                           probe_first=False)
-    wrap_model(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes."))
+    wrapped = wrap_model(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes."))
     caplog.set_level(logging.INFO)
     result = validation.validate_model(parse(image_folder, '-b', '8', '--retry'), 'test_resnet', str(checkpoint),
                                        device, probe_first=True)
     assert 'Batch size 8 ran out of memory after 8 samples' in caplog.text and 'continuing at 6' in caplog.text
     assert 'Batch sizes run: 8 -> 6' in caplog.text
     assert result['batch_size'] == 6
-    # 8 samples at 8, then the other 16 at 6: every sample counted once, same scores as a plain pass
+    # 8 samples at 8, then the other 16 at 6: every sample computed once, same scores as a plain pass
     assert result['top1'] == reference['top1'] and result['top5'] == reference['top5']
+    assert len(wrapped) == 1 and len(wrapped[0].completed) == 24 and set(wrapped[0].completed.values()) == {1}
 
 
 @pytest.mark.parametrize('error', [

@@ -14,7 +14,7 @@ from timm_ext.metrics import precision_recall_f1
 from timm_ext.results import results_text, write_results
 from timm_ext.validate_args import build_validate_parser, check_validate_args
 from timm_ext.validate_jobs import JobsError, resolve_jobs
-from timm_ext.validation import probe_sizes
+from timm_ext.validation import next_smaller_batch
 from timm_ext.weights import WeightsError, load_weights, read_weights
 
 
@@ -173,11 +173,11 @@ def test_load_weights_explains_architecture_and_class_count_mismatch(weight_file
 
 # ---- probe sizes and argument checks
 
-def test_probe_sizes_follow_the_decay_grid_capped_at_the_dataset():
-    assert probe_sizes(1024, None)[:5] == [1024, 768, 512, 384, 256]
-    assert probe_sizes(1024, 128)[:3] == [128, 96, 64]
-    assert probe_sizes(1024, 100)[:3] == [100, 96, 64]
-    assert probe_sizes(8, 100) == [8, 6, 4, 3, 2, 1]
+def test_after_an_oom_the_pass_continues_one_decay_step_below_the_failed_batch():
+    assert [next_smaller_batch(b, None) for b in (1024, 768, 128, 96)] == [768, 512, 96, 64]
+    assert next_smaller_batch(128, 100) == 96  # a full batch of 128 failed
+    assert next_smaller_batch(96, 40) == 32  # the short last batch of 40 failed: below 40, not below 96
+    assert next_smaller_batch(8, 1000) == 6 and next_smaller_batch(1, 5) == 0
 
 
 @pytest.mark.parametrize('argv,problem', [

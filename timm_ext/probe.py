@@ -1,14 +1,15 @@
-"""Find the largest batch that fits: a grow-then-bisect search over real trials, the trial table, the choice.
+"""Find the largest batch that fits: a search over real trials that aims at the memory limit, the table, the choice.
 
 A trial runs one batch size for real (a training step, or an eval forward) and reports a :class:`Trial`: fit or
-OOM (or another error), peak memory, ms per step and samples/s. :func:`search_batch_size` grows the size x2 from
-`start` until the first failure (or `max_batch`), then bisects on a grid between the last fit and the first failure;
-it knows nothing of models, so training trials (tune_batch.py) and eval trials (validate.py) share it. With
-`start == max_batch` it probes down from an asked size. :func:`select_batch_size` turns the table into a choice:
-the largest size that fits within the headroom, or the smallest one within a tolerance of the best throughput.
-One timing per size is easily misled on a shared machine, so before a throughput choice :func:`retime_trials`
-times the sizes that could win again, in interleaved rounds; the best is the fastest median, and a smaller size
-counts as within the tolerance only if its slowest timing is.
+OOM (or another error), peak memory, ms per step and samples/s. :func:`search_batch_size` fits peak memory as a
+linear function of the batch size to the trials so far (:class:`PeakModel`), aims each next trial at the largest
+size predicted under the limit (budget x (1 - headroom)), and settles on the grid's fine step (`--batch-multiple`)
+between the largest accepted size and the smallest one that was not; without a limit it grows x2, then bisects. It
+knows nothing of models, so any trial can use it. With `start == max_batch` it probes down from an asked size.
+:func:`select_batch_size` turns the table into a choice: the largest size that fits within the headroom, or the
+smallest one within a tolerance of the best throughput. One timing per size is easily misled on a shared machine,
+so before a throughput choice :func:`retime_trials` times the sizes that could win again, in interleaved rounds;
+the best is the fastest median, and a smaller size counts as within the tolerance only if its slowest timing is.
 
 Under torchrun, wrap the trial with :func:`agree_across_ranks`: each rank runs it, then one collective shares every
 rank's outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes
@@ -24,7 +25,7 @@ import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,8 @@ from .oom import is_oom
 
 __all__ = [
     'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
-    'Selection', 'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
+    'Selection', 'HeadroomAccept', 'PeakModel', 'MAX_GROWTH', 'SETTLE_TOL', 'default_batch_multiple', 'default_grid',
+    'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
     'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',
     'timing_spread', 'die_with_parent', 'run_forked',
 ]
@@ -94,30 +96,28 @@ class BatchGrid:
         raise NotImplementedError
 
     def upper(self, max_batch: int) -> int:
-        """The largest size the search may try under a `max_batch` limit."""
-        return self.snap(max_batch)
+        """The largest size the search may try under a `max_batch` limit: the limit itself, on the grid or not, so an
+        asked size (a recipe's batch, validate's -b, a dataset size) is tried before anything smaller."""
+        return max_batch
 
     def between(self, low: int, high: int) -> List[int]:
         """Grid sizes strictly between `low` and `high`, ascending."""
         raise NotImplementedError
 
+    def above(self, size: int) -> int:
+        """The smallest grid size larger than `size`."""
+        return self.between(size, 2 * size + 2)[0]
+
 
 @dataclass(frozen=True)
 class DecayGrid(BatchGrid):
-    """timm's decay grid (`decay_batch_step`): powers of two with `num_intra_steps` even steps between them.
-
-    A `max_batch` limit is tried as it is, on the grid or not, so an asked size (validate's -b, a dataset size) is
-    tried before anything smaller, as the stock decay does.
-    """
+    """timm's decay grid (`decay_batch_step`): powers of two with `num_intra_steps` even steps between them."""
     num_intra_steps: int = 2
     no_odd: bool = False
 
     def snap(self, size: int) -> int:
         below = decay_batch_step(size + 1, self.num_intra_steps, self.no_odd)
         return max(below, 2 if self.no_odd else 1)
-
-    def upper(self, max_batch: int) -> int:
-        return max_batch
 
     def between(self, low: int, high: int) -> List[int]:
         return sorted(s for s in batch_descent(high, self.num_intra_steps, self.no_odd)[1:] if s > low)
@@ -138,6 +138,22 @@ class MultipleGrid(BatchGrid):
     def between(self, low: int, high: int) -> List[int]:
         first = (low // self.multiple + 1) * self.multiple
         return list(range(max(first, self.multiple), high, self.multiple))
+
+
+# The fine step the search settles with when --batch-multiple is not given: tensor cores want batch (and channel)
+# sizes that are multiples of 8 for float16 / bfloat16 matmuls; a CPU has no such preference, so every size counts.
+DEFAULT_BATCH_MULTIPLE = {'cuda': 8}
+CPU_BATCH_MULTIPLE = 1
+
+
+def default_batch_multiple(device_type: str) -> int:
+    """The default `--batch-multiple` on a device type: 8 on CUDA, 1 elsewhere (CPU)."""
+    return DEFAULT_BATCH_MULTIPLE.get(device_type, CPU_BATCH_MULTIPLE)
+
+
+def default_grid(device_type: str, batch_multiple: Optional[int] = None) -> 'MultipleGrid':
+    """The probe's grid: multiples of `batch_multiple`, or of the device's default."""
+    return MultipleGrid(batch_multiple or default_batch_multiple(device_type))
 
 
 class ProbeError(TimmExtError):
@@ -163,17 +179,27 @@ def search_batch_size(
         grid: Optional[BatchGrid] = None,
         accept: Optional[Callable[[Trial], bool]] = None,
         on_trial: Optional[Callable[[Trial], None]] = None,
+        peak_limit: Optional[float] = None,
 ) -> List[Trial]:
-    """Grow x2 from `start` until a trial fails (or `max_batch` fits), then bisect on `grid` in between.
+    """Find the largest accepted size on `grid`: aim at `peak_limit` when given, else grow x2 then bisect.
+
+    With `peak_limit`, the measured peaks of the trials so far fit a linear model of peak memory in the batch size
+    (`PeakModel`), and the next trial is the largest grid size the model puts at or under the limit: the search aims
+    instead of walking, then settles on the grid between the largest accepted size and the smallest one that was
+    not. An aimed trial that does not halve that interval is followed by one bisection step, so a misleading model
+    costs at most about twice a bisection's trials. Without a limit (or a measured peak) the search grows x2 from
+    `start` until the first failure, then bisects on the grid.
 
     Args:
         run_trial: Runs one batch size and reports it; must catch its own OOMs (status 'oom').
-        start: First size to try (snapped down onto the grid; capped by `max_batch`).
+        start: First size to try (snapped down onto the grid). With `start >= max_batch` the search probes down from
+            `max_batch` and tries that size first, so an asked size that fits costs one trial.
         max_batch: Largest size worth trying (dataset size, --max-batch, validate's asked size), None: no limit.
-        grid: Sizes the search may try between a fit and a failure (default: timm's decay grid).
-        accept: Whether a fitting trial counts as a fit for the search; the headroom test goes here so the bisection
+        grid: The sizes the search may try (default: timm's decay grid).
+        accept: Whether a fitting trial counts as a fit for the search; the headroom test goes here so the search
             finds the boundary of the headroom, not of the cap. Default: every fit counts.
         on_trial: Called with each trial as soon as it is done (live logging, saving the table).
+        peak_limit: The peak the chosen size may reach, in the trials' units (`HeadroomAccept.limit`); None: no aim.
 
     Returns:
         Every trial in the order run. The search stops at the first trial with status 'error' (it is the last
@@ -184,39 +210,158 @@ def search_batch_size(
     if max_batch is not None and max_batch < 1:
         raise ValueError(f'max batch size must be >= 1, got {max_batch}')
     grid = grid or DecayGrid()
-    upper = grid.upper(max_batch) if max_batch is not None else None
+    bounds = _Bounds(grid, grid.upper(max_batch) if max_batch is not None else None)
     trials: List[Trial] = []
-
-    def attempt(size: int) -> Trial:
-        return _record(run_trial(size), accept, trials, on_trial)
-
-    size = grid.snap(start)
-    if upper is not None and start >= upper:
-        size = upper  # a probe down from the asked size tries that size first
-    last_fit, first_fail = 0, None
-    while True:  # grow x2 until the first failure, or until the limit fits
-        trial = attempt(size)
+    model: Optional[PeakModel] = None
+    size: Optional[int] = grid.snap(start)
+    if bounds.upper is not None and start >= bounds.upper:
+        size = bounds.upper  # a probe down from the asked size tries that size first
+    bisect, aimed = False, False
+    while size is not None:
+        width, fit_before = bounds.width(), bounds.fit
+        trial = _record(run_trial(size), accept, trials, on_trial)
         if trial.status == ERROR:
             return trials
-        if not trial.accepted:
-            first_fail = size
-            break
-        last_fit = size
-        if upper is not None and size >= upper:
-            return trials
-        size = size * 2 if upper is None else min(size * 2, upper)
-
-    candidates = grid.between(last_fit, first_fail)
-    while candidates:  # bisect on the grid: the middle index of the remaining sizes
-        size = candidates[(len(candidates) - 1) // 2]
-        trial = attempt(size)
-        if trial.status == ERROR:
-            return trials
-        if trial.accepted:
-            candidates = [s for s in candidates if s > size]
-        else:
-            candidates = [s for s in candidates if s < size]
+        bounds.update(trial)
+        # an aim that left more than half the interval: the model misleads here, so the next step bisects
+        bisect = aimed and width is not None and bounds.width() > width // 2
+        # a fit the model did not expect (it put the limit at the size before): the next such step is twice as long
+        expected = model.aim(grid) if aimed and model is not None else None
+        surprise = bounds.fit - fit_before if expected is not None and expected <= fit_before else 0
+        model = PeakModel.fit(trials, peak_limit)
+        size, aimed = _next_size(bounds, model, bisect, surprise, SETTLE_TOL if peak_limit is not None else 0.0)
     return trials
+
+
+# An aimed search stops once the largest fit is this close below the smallest failure: on CPU the boundary itself
+# moves by a few percent between processes, so finer steps there buy trials, not batch
+SETTLE_TOL = 0.05
+# Most an aimed trial may grow the largest fit: guards against a peak measured far too low at a tiny batch
+MAX_GROWTH = 32
+
+
+class _Bounds:
+    """What the trials so far say: the largest accepted size and the smallest one that was not (None: none yet)."""
+
+    def __init__(self, grid: BatchGrid, upper: Optional[int]):
+        self.grid, self.upper = grid, upper
+        self.fit, self.fail = 0, None
+
+    def update(self, trial: Trial) -> None:
+        if trial.accepted:
+            self.fit = max(self.fit, trial.batch_size)
+        else:
+            self.fail = trial.batch_size if self.fail is None else min(self.fail, trial.batch_size)
+
+    def candidates(self) -> List[int]:
+        return self.grid.between(self.fit, self.fail)
+
+    def width(self) -> Optional[int]:
+        """Grid sizes left strictly between the bounds; None while no failure bounds the search."""
+        return None if self.fail is None else len(self.candidates())
+
+
+def _next_size(bounds: _Bounds, model: Optional['PeakModel'], bisect: bool, surprise: int,
+               tolerance: float) -> Tuple[Optional[int], bool]:
+    """The next size to try, and whether the model chose it; (None, False) when the search is done (the interval
+    holds no grid size, or the largest fit is within `tolerance` of the smallest failure)."""
+    if bounds.upper is not None and bounds.fit >= bounds.upper:
+        return None, False
+    if bounds.fail is not None and bounds.fit >= (1 - tolerance) * bounds.fail:
+        return None, False
+    if bounds.fail is None:
+        return _grow(bounds, model, surprise)
+    candidates = bounds.candidates()
+    if not candidates:
+        return None, False
+    aim = None if bisect or model is None else model.aim(bounds.grid)
+    if aim is None or aim >= bounds.fail:  # no model, a misleading one, or one that a failure contradicts
+        return candidates[(len(candidates) - 1) // 2], False  # bisect: the middle index of the remaining sizes
+    return max(aim, candidates[0]), True
+
+
+def _grow(bounds: _Bounds, model: Optional['PeakModel'], surprise: int) -> Tuple[int, bool]:
+    """The next size above the largest fit while nothing above it has failed: the model's aim, else double it.
+
+    When the model puts the limit at the largest fit, the next grid size checks it; after a check that fit anyway
+    (`surprise`: what it gained), the next check goes twice as far, so a pessimistic model costs log, not linear, steps.
+    """
+    fit = bounds.fit
+    aim = None if model is None else model.aim(bounds.grid)
+    if aim is None or (model.one_point and aim < 2 * fit):
+        size, aimed = fit * 2, False  # no model, or one point (a lower bound of the limit) that says less than x2
+    elif aim <= fit:
+        size, aimed = max(bounds.grid.above(fit), bounds.grid.snap(fit + 2 * surprise)), True
+    else:  # a line fitted to small sizes extrapolates badly: at most twice the origin line's lower bound
+        size, aimed = min(aim, max(2 * fit, 2 * model.lower_bound(fit)), fit * MAX_GROWTH), True
+    return (size if bounds.upper is None else min(size, bounds.upper)), aimed
+
+
+@dataclass(frozen=True)
+class PeakModel:
+    """Peak memory linear in the batch size, from the measured trials: peak(B) = anchor_peak + slope x (B - anchor).
+
+    The line goes through the largest accepted trial, the nearest below the limit. Once a larger size has a measured
+    peak too (a fit over the headroom), the slope is the secant to the nearest such size, so the aim interpolates
+    between the two sizes around the limit: on CPU memory per sample grows a little with the batch (the algorithms
+    chosen change), and a line fitted to small sizes aims too high there. Before that, the slope is the
+    least-squares slope over every measured size (the widest spread damps the sampling noise of each peak).
+    With one measured size the line goes through the origin: memory that does not grow with the batch (weights,
+    gradients, optimizer state) is >= 0, so that slope is too steep and its aim falls short of the true limit.
+
+    Attributes:
+        limit: The peak allowed (budget x (1 - headroom)).
+        slope: Bytes per sample.
+        anchor: The batch size the line goes through.
+        anchor_peak: Its measured peak.
+        one_point: Only one size was measured (the aim is then a lower bound of the limit).
+        peaks: The highest measured peak of each size.
+    """
+    limit: float
+    slope: float
+    anchor: int
+    anchor_peak: float
+    one_point: bool
+    peaks: Dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, trials: Sequence[Trial], limit: Optional[float]) -> Optional['PeakModel']:
+        """The model of the search's trials (re-timings left out), None without a limit or a usable slope."""
+        if limit is None:
+            return None
+        peaks: Dict[int, int] = {}
+        for t in trials:
+            if t.fits and t.peak_bytes is not None and not t.retime:
+                peaks[t.batch_size] = max(peaks.get(t.batch_size, 0), t.peak_bytes)
+        if not peaks:
+            return None
+        sizes = sorted(peaks)
+        accepted = [t.batch_size for t in trials if t.accepted and t.batch_size in peaks]
+        anchor = max(accepted) if accepted else sizes[0]
+        above = [b for b in sizes if b > anchor]
+        if above:  # a measured peak on each side of the limit: the secant between them (regula falsi)
+            slope = (peaks[above[0]] - peaks[anchor]) / (above[0] - anchor)
+        elif len(sizes) == 1:
+            slope = peaks[sizes[0]] / sizes[0]
+        else:
+            mean_b, mean_p = statistics.fmean(sizes), statistics.fmean(peaks.values())
+            slope = sum((b - mean_b) * (peaks[b] - mean_p) for b in sizes) / sum((b - mean_b) ** 2 for b in sizes)
+        if not slope > 0:
+            return None
+        return cls(limit, slope, anchor, peaks[anchor], len(sizes) == 1, peaks)
+
+    def predicted_limit(self) -> float:
+        """The batch size at which the predicted peak reaches the limit (not an integer)."""
+        return self.anchor + (self.limit - self.anchor_peak) / self.slope
+
+    def lower_bound(self, size: int) -> int:
+        """The limit by the line through the origin and `size`'s peak: a lower bound when peak(0) >= 0."""
+        return math.floor(size * self.limit / self.peaks[size]) if self.peaks.get(size) else size
+
+    def aim(self, grid: BatchGrid) -> Optional[int]:
+        """The largest grid size predicted at or under the limit; None when not even size 1 is."""
+        largest = math.floor(self.predicted_limit())
+        return grid.snap(largest) if largest >= 1 else None
 
 
 def _record(trial: Trial, accept: Optional[Callable[[Trial], bool]], trials: List[Trial],
@@ -293,17 +438,33 @@ def retime_trials(
     return extra
 
 
-def headroom_accept(budget: Optional[int], headroom: float) -> Callable[[Trial], bool]:
+@dataclass(frozen=True)
+class HeadroomAccept:
     """A search `accept` test: the trial's measured peak leaves `headroom` (a fraction) of `budget` free.
 
     A fit with unknown peak (no measurement on this platform) is accepted: the cap itself still guards the run.
+    `limit` is the peak that test allows, the figure the search aims at (the budget itself at headroom 0).
     """
-    if not 0 <= headroom < 1:
-        raise ValueError(f'headroom must be a fraction in [0, 1), got {headroom}')
-    if budget is None or headroom == 0:
-        return lambda trial: True
-    limit = budget * (1 - headroom)
-    return lambda trial: trial.peak_bytes is None or trial.peak_bytes <= limit
+    budget: Optional[int]
+    headroom: float
+
+    def __post_init__(self):
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f'headroom must be a fraction in [0, 1), got {self.headroom}')
+
+    @property
+    def limit(self) -> Optional[float]:
+        return None if self.budget is None else self.budget * (1 - self.headroom)
+
+    def __call__(self, trial: Trial) -> bool:
+        if self.budget is None or self.headroom == 0 or trial.peak_bytes is None:
+            return True
+        return trial.peak_bytes <= self.limit
+
+
+def headroom_accept(budget: Optional[int], headroom: float) -> HeadroomAccept:
+    """The headroom test of a budget (see `HeadroomAccept`)."""
+    return HeadroomAccept(budget, headroom)
 
 
 @dataclass

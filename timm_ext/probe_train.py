@@ -19,7 +19,8 @@ Three things differ from the run on purpose, each to keep a trial one honest, se
   does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
   but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
 
-`probe_train_batch` runs the whole probe: budget, cap, search, re-timing (throughput choice), choice.
+`probe_train_batch` runs the whole probe: budget, cap, the search aimed at the headroom's limit, re-timing
+(throughput choice), choice.
 """
 import argparse
 import copy
@@ -32,8 +33,8 @@ import torch.distributed as dist
 
 from .memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .probe import (
-    ERROR, BatchGrid, DecayGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
-    measured_trial, retime_trials, search_batch_size, select_batch_size,
+    ERROR, BatchGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
+    measured_trial, retime_trials, search_batch_size, select_batch_size, default_grid,
 )
 from .train_loop import LoopConfig, TrainLoop
 from .train_setup import SetupError
@@ -207,7 +208,7 @@ def probe_train_batch(
         throughput_tol: Tolerance of the throughput choice.
         start: First batch size tried.
         max_batch: Largest batch worth trying (dataset size, --max-batch).
-        grid: Sizes tried between a fit and a failure (default: timm's decay grid).
+        grid: The sizes trials may take (default: multiples of the device's `default_batch_multiple`).
         timed_steps: Timed updates per trial after the warm-up update.
         on_trial: Called with each trial as it completes.
         retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
@@ -232,21 +233,29 @@ def probe_train_batch(
             setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
             capped=True, before=setup.reset, isolate=isolate)
         trial = agree_across_ranks(trial)
-        accept = headroom_accept(budget_bytes, headroom)
-        grid = grid or DecayGrid()
-        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial)
+        # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
+        accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)
+        grid = grid or default_grid(device.type)
+        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
+                                   peak_limit=accept.limit)
         if select == 'throughput':
             trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
     selection = select_batch_size(trials, select, throughput_tol, context)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
-        chosen = torch.tensor([selection.batch_size], dtype=torch.int64,
-                              device=device if dist.get_backend() == 'nccl' else 'cpu')
-        dist.all_reduce(chosen, op=dist.ReduceOp.MIN)
-        if chosen.item() != selection.batch_size:
-            pick = next(t for t in trials if t.batch_size == chosen.item())
-            selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
+    # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
+    chosen = _smallest_over_ranks(selection.batch_size, device)
+    if chosen != selection.batch_size:
+        pick = next(t for t in trials if t.batch_size == chosen)
+        selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
     return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+
+
+def _smallest_over_ranks(value: int, device: torch.device) -> int:
+    """The minimum of `value` over the ranks of an initialized process group (`value` itself without one)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
 
 
 def nothing_fits_advice(args: argparse.Namespace) -> str:

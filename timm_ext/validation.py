@@ -1,13 +1,12 @@
-"""Validate one model on one dataset: build once, probe the largest batch that fits, evaluate once.
+"""Validate one model on one dataset: build once, evaluate every sample once, stepping down on out-of-memory.
 
 Stock validate.py `--retry` rebuilds the model and loaders and reruns everything at each smaller size. Here the
-model is built once; before the loaders, cheap single-batch inference trials (same dtype, AMP, channels_last and
-compilation, input at the resolved size) find the largest size on the `decay_batch_step` grid that fits; the
-dataset is then evaluated once at that size. Should a real batch still run out of memory (memory can depend on the
-data), the pass continues from the first unfinished sample at the next smaller size. Only OOMs are retried.
+model is built once and the pass itself is the probe: it starts at the asked size (capped at the dataset's size),
+and a batch that runs out of memory, the first or any later one, is retried from the first unfinished sample at the
+next smaller size of the `decay_batch_step` grid. A batch that fits is part of the result, so no sample is computed
+twice (an iterable dataset, which cannot be sliced, starts over). Only OOMs are retried.
 """
 import logging
-import sys
 import time
 import traceback
 from collections import OrderedDict
@@ -22,18 +21,17 @@ from timm.models import create_model
 from timm.utils import accuracy, random_seed, reparameterize_model, set_jit_fuser
 
 from .amp import AmpChoice, resolve_amp
-from .batch_decay import batch_descent, decay_batch_step
+from .batch_decay import decay_batch_step
 from .distributed import DeviceError, check_cuda_index
 from .errors import TimmExtError
 from .hub import is_download_error, pretrained_unavailable
-from .memory import PeakMeter, data_and_stack, free_memory
+from .memory import free_memory
 from .metrics import precision_recall_f1
 from .oom import cpu_data_capped, is_oom, should_retry
-from .probe import OOM, NothingFitsError, ProbeError, format_trial, measured_trial, select_batch_size
 from .weights import WeightsError, checkpoint_num_classes, load_weights, one_line, read_weights
 
 __all__ = ['ValidationError', 'EvalModel', 'EvalTotals', 'resolve_device', 'build_eval_model', 'build_eval_dataset',
-           'build_eval_loader', 'evaluate', 'make_eval_step', 'probe_sizes', 'EvalPass', 'validate_model']
+           'build_eval_loader', 'evaluate', 'make_eval_step', 'next_smaller_batch', 'EvalPass', 'validate_model']
 
 _logger = logging.getLogger(__name__)
 
@@ -285,16 +283,12 @@ def make_eval_step(em: EvalModel, prefetch_copies: int = 1) -> Callable[[int], N
     return step
 
 
-def probe_sizes(asked: int, num_samples: Optional[int]) -> List[int]:
-    """Batch sizes to probe, largest first: the decay grid from `asked`, capped at the dataset size.
-
-    No batch of the pass is larger than the dataset, so sizes above it are not tried: the dataset size itself
-    leads, followed by the grid sizes below it.
-    """
-    grid = batch_descent(asked)
-    if num_samples is None or num_samples >= asked:
-        return grid
-    return [num_samples] + [s for s in grid if s < num_samples]
+def next_smaller_batch(batch_size: int, unfinished: Optional[int]) -> int:
+    """The size to continue at after a batch of `batch_size` ran out of memory with `unfinished` samples left: the
+    next smaller size of the decay grid, below the failed batch itself (a short last batch has fewer samples than
+    the batch size); 0 when the failed batch held one sample."""
+    failed = batch_size if unfinished is None else min(batch_size, unfinished)
+    return decay_batch_step(failed)
 
 
 def _num_samples(dataset) -> Optional[int]:
@@ -315,36 +309,6 @@ def _remaining(dataset, done: int):
 
 def _cpu_capped(device: torch.device) -> bool:
     return device.type == 'cpu' and cpu_data_capped()
-
-
-def _probe(em: EvalModel, sizes: List[int], prefetch_copies: int) -> int:
-    """Walk down `sizes` with one inference trial each until one fits; log each trial; return the fitting size.
-
-    A walk from the top, not the grow-and-bisect of `search_batch_size`: in inference a trial that fits costs a full
-    forward of its batch, while sizes far above the boundary fail at their first large allocation, so trying the
-    large sizes first spends least. Only OOMs step down; any other failure ends the probe as an error.
-    """
-    # CPU peaks count from the data segment now (model already in), the figure the peak meter samples
-    baseline = data_and_stack() if em.device.type == 'cpu' and sys.platform == 'linux' else 0
-    run_trial = measured_trial(make_eval_step(em, prefetch_copies), em.device, PeakMeter(em.device, baseline),
-                               capped=_cpu_capped(em.device))
-    trials = []
-    for size in sizes:
-        trial = run_trial(size)
-        trial.accepted = trial.fits
-        trials.append(trial)
-        _logger.info(f'Probe {format_trial(trial)}')
-        if trial.status != OOM:
-            break
-    input_size = tuple(em.data_config['input_size'])
-    try:
-        chosen = select_batch_size(trials, 'max', context=f'{em.name}, input {input_size}').batch_size
-    except ProbeError as e:
-        raise ValidationError(f'{e}; free memory or lower --img-size' if isinstance(e, NothingFitsError)
-                              else str(e)) from None
-    failed = [str(t.batch_size) for t in trials if t.status == OOM]
-    _logger.info(f'Batch-size probe: {", ".join(f"{s} OOM" for s in failed) or "no OOM"}; validating at {chosen}.')
-    return chosen
 
 
 @dataclass
@@ -368,7 +332,8 @@ def _oom_error(batch_size: int, exc: BaseException) -> ValidationError:
 
 def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int, step_down: bool):
     """Evaluate the whole split at `batch_size`; with `step_down`, an OOM continues at the next grid size from the
-    first unfinished sample (an iterable dataset, which cannot be sliced, starts over).
+    first unfinished sample (an iterable dataset, which cannot be sliced, starts over). The batches that fitted stay
+    counted, so each sample is computed once however many sizes the pass tries.
 
     Returns:
         (totals, real labels or None, the batch sizes run in order).
@@ -391,7 +356,8 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
                 if is_oom(e, capped):
                     raise _oom_error(batch_size, e) from None
                 raise
-            smaller = decay_batch_step(batch_size)
+            total = _num_samples(run.dataset)
+            smaller = next_smaller_batch(batch_size, None if total is None else total - totals.samples)
             _logger.warning(f'Batch size {batch_size} ran out of memory after {totals.samples} samples '
                             f'({one_line(e)}); continuing at {smaller}.')
             _release(e, em.device)
@@ -428,9 +394,9 @@ def validate_model(args, model_name: str, checkpoint: Optional[str], device: tor
         model_name: timm model name.
         checkpoint: Weights file, or None/'' for pretrained weights.
         device: Device to run on.
-        probe_first: Probe the largest batch that fits before evaluating, and step down the grid on an OOM
-            during the pass (`--retry`, and bulk mode); the row then records the `batch_size` used. Without it
-            an OOM is an error, as stock.
+        probe_first: Start at the asked size and step down the grid on an OOM, continuing from the first
+            unfinished sample (`--retry`, and bulk mode); the row then records the `batch_size` it ended at. Without
+            it an OOM is an error, as stock (after stock's warm-up forward at the batch size).
 
     Raises:
         ValidationError: A one-line, user-fixable failure (bad weights, no data, out of memory at size 1, ...).
@@ -455,9 +421,9 @@ def validate_model(args, model_name: str, checkpoint: Optional[str], device: tor
     asked = args.batch_size * (args.num_gpu if probe_first and em.device.type == 'cuda' else 1)
     largest = min(asked, num_samples or asked)  # no batch of the pass is larger than the split
     if args.naflex_loader:
-        batch_size = asked  # NaFlex batches are token budgets, not image tensors: no trial, the pass steps down
+        batch_size = asked  # NaFlex batches are token budgets, not image tensors; the pass steps down the same way
     elif probe_first:
-        batch_size = _probe(em, probe_sizes(asked, num_samples), prefetch_copies=0 if args.no_prefetcher else 1)
+        batch_size = largest  # the pass is the probe: its first batches find the size, and they count
     else:
         batch_size = asked
         try:  # stock warm-up: one forward at the largest batch the pass will see
@@ -470,6 +436,9 @@ def validate_model(args, model_name: str, checkpoint: Optional[str], device: tor
     totals, real_labels, ran = _evaluate_stepping_down(args, em, run, batch_size, step_down=probe_first)
     if len(ran) > 1:
         _logger.info(f'Batch sizes run: {" -> ".join(map(str, ran))}.')
+    if probe_first:
+        failed = ''.join(f'{size} OOM, ' for size in ran[:-1]) or 'no OOM, '
+        _logger.info(f'Batch-size probe: {failed}validated at {ran[-1]}; every sample computed once.')
     results = _results_row(em, totals, real_labels, args.metrics_avg)
     if probe_first:
         results['batch_size'] = ran[-1]
