@@ -47,6 +47,7 @@ from timm_ext.critical_batch import (
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.handover import HandoverError, exec_training
+from timm_ext.launch import current_topology
 from timm_ext.memory import (
     BudgetError, MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
 )
@@ -383,7 +384,8 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     stock_dests = [d for d in train_dests if d not in extension_dests]
     values = {**config_values(train_args, parser, stock_dests, tuned.plan), **tuned.schedule}
     extras = extension_flags(train_args, parser, extension_dests)
-    command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras)
+    topology = current_topology() if args.distributed else None  # the launch training must repeat
+    command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras, topology)
     report = report_lines(tuned, args, extras)
     if primary:
         print('\n'.join(['', 'Trials:', format_table(tuned.outcome.trials, tuned.outcome.budget), ''] + report))
@@ -395,6 +397,11 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         if plot:
             print(f'Plot: {plot}')
         print(f'Train command: {shell_line(command)}', flush=True)
+    multi_node = topology is not None and topology.multi_node
+    if multi_node and primary:
+        print(f'Run it on each of the {topology.nnodes} nodes as tune_batch.py was (each node prints its own).')
+    elif multi_node and args.local_rank == 0:
+        print(f'Train command on this node: {shell_line(command)}', flush=True)
     if args.distributed:
         dist.barrier()
         dist.destroy_process_group()
