@@ -37,6 +37,7 @@ from timm_ext.distributed import DeviceError, init_device, lost_peer
 from timm_ext.elastic import (
     ElasticResume, describe_change, device_note, layout_flags_set_anew, plan_elastic_resume, resume_updates, tune_hint,
 )
+from timm_ext.lr import default_lr_scale, rescale_lr
 from timm_ext.memory import device_name
 from timm_ext.noise_monitor import write_noise_scale_row
 from timm_ext.oom_recovery import OomRecoveryError
@@ -128,10 +129,14 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
     data_config, data = stack.data_config, stack.data
     loader_train, loader_eval, mixup_fn, reference_batch = (data.loader_train, data.loader_eval, data.mixup_fn,
                                                             data.reference_batch)
-    if elastic is not None and elastic.global_changed and resumed is not None and not args.no_resume_opt:
-        # the resumed optimizer carries the checkpoint's LR; the global batch moved, so the LR moves by the rule
-        scale_group_lrs(optimizer, stack.lr / saved_lr(resumed, stack.lr))
-    args.lr = stack.lr  # args as stock keeps them: checkpoints hold the LR the run used
+    lr = stack.lr
+    if elastic is not None and elastic.global_changed:
+        # the global batch moved (no exact split, or the user's new layout): the LR moves with it by the run's rule;
+        # a resumed optimizer carries the checkpoint's LR in its groups, a fresh one train.py's for this layout
+        scale = args.lr_base_scale or default_lr_scale(args.opt)
+        lr = elastic_lr(elastic, saved_lr(resumed, stack.lr), stack.lr, scale)
+        scale_group_lrs(optimizer, lr / (stack.lr if args.no_resume_opt else saved_lr(resumed, stack.lr)))
+    args.lr = lr  # args as stock keeps them: checkpoints hold the LR the run used
     if stack.lr_choice.from_base:
         args.lr_base_scale = stack.lr_choice.scale
     validate_loss_fn = torch.nn.CrossEntropyLoss().to(device=device)
@@ -150,7 +155,7 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
         start = dataclasses.replace(start, updates_done=min(updates_per_epoch, resume_updates(
             start.updates_done, elastic.saved.global_batch, elastic.now.global_batch)))
     if elastic is not None and primary and (elastic.layout_changed or elastic.device_changed):
-        log_elastic_resume(elastic, resumed, stack.lr, start, args.resume)
+        log_elastic_resume(elastic, resumed, lr, start, args.resume)
     if args.start_epoch is not None:
         start = ckpt.ResumePoint(args.start_epoch)  # an explicit start epoch wins, as stock
     if lr_scheduler is not None:
@@ -320,6 +325,15 @@ def saved_lr(resumed: Dict[str, Any], default: float) -> float:
     """The LR the checkpoint's run trained with (its args), or `default` when it does not say."""
     lr = getattr(resumed.get('args'), 'lr', None)
     return lr if isinstance(lr, (int, float)) and lr > 0 else default
+
+
+def elastic_lr(elastic: ElasticResume, checkpoint_lr: float, rule_lr: float, scale: str) -> float:
+    """The LR of a resumed run whose global batch differs from the checkpoint's: a layout the user set gets train.py's
+    LR for it (`rule_lr`: --lr, or --lr-base by the rule); a re-plan without an exact split moves the checkpoint's
+    LR to the nearest global batch by the run's rule (as tune_batch.py does for an explicit --lr)."""
+    if elastic.user_flags:
+        return rule_lr
+    return rescale_lr(checkpoint_lr, elastic.saved.global_batch, elastic.now.global_batch, scale)
 
 
 def scale_group_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:

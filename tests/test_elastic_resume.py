@@ -130,3 +130,14 @@ def test_two_ranks_then_one_then_two_keep_global_batch_lr_and_schedule(image_fol
     for name in ('one', 'again'):
         got = lr_by_epoch(tmp_path / name)
         assert got == pytest.approx({e: reference[e] for e in got}, rel=1e-9), name
+
+
+def test_a_new_layout_set_by_the_user_wins_and_moves_the_lr_by_the_rule(image_folder, tmp_path):
+    train(1, image_folder, tmp_path, 'one', '-b', '4', '--epochs', '2')
+    log = train(1, image_folder, tmp_path, 'user', '-c', tmp_path / 'one' / 'args.yaml', '--epochs', '2',
+                '--resume', tmp_path / 'one' / 'checkpoint-0.pth.tar', '-b', '8', '--grad-accum-steps', '2')
+    # adamw: sqrt rule from lr_base 0.1 at 256; global batch 4 -> 16
+    assert ('-b/--batch-size and --grad-accum-steps set for this run win over the re-plan; global batch 4 -> 16, '
+            'LR 0.0125 -> 0.025 by the run\'s rule') in log
+    got, lr, initial_lr, _ = layout(tmp_path / 'user' / 'last.pth.tar')
+    assert got.global_batch == 16 and lr == pytest.approx(0.025) and initial_lr == pytest.approx(0.025)
