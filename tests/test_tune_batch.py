@@ -275,6 +275,9 @@ def test_a_global_batch_set_on_the_command_line_is_kept_with_one_trial(tmp_path,
     out = report_of(tune(tmp_path, image_folder, *batch_flags, '--tuned-config', config, '--dry-run'))
     assert len(trial_lines(out)) == 1 and 'one trial, nothing to search' in out
     assert planned(config) == (global_batch, 1) and 'Kept it exactly' in out
+    # 300 evaluations of 24 images take seconds: a few eval trials would cost more than 5% of that
+    assert 'Eval batch: not probed: 300 evaluations are predicted' in out and '  eval batch' not in out
+    assert 'validation_batch_size' not in yaml.safe_load(config.read_text())
 
 
 def test_a_global_batch_set_in_the_yaml_is_kept_and_split_when_it_does_not_fit(tmp_path, image_folder):
@@ -317,6 +320,43 @@ def test_select_max_warns_when_the_batch_leaves_few_updates(tmp_path, image_fold
     out = report_of(tune(tmp_path, image_folder, '--select', 'max', '--epochs', '8', '--tuned-config',
                          tmp_path / 't.yaml', '--dry-run'))
     assert 'Warning: global batch 24 leaves the run only 8 optimizer updates' in out
+    assert 'the validation split (24 per rank) is one batch of the micro-batch 24 already; not probed' in out
+
+
+# ---- the eval batch ----------------------------------------------------------------------------------------------
+
+def test_a_long_run_probes_the_eval_batch_and_writes_validation_batch_size(tmp_path, image_folder):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, *BUDGET, '-b', '4', '--epochs', '10000', '--tuned-config', config,
+                         '--dry-run'))
+    assert len(trial_lines(out)) == 1, 'the training probe is unchanged: one trial for the recipe\'s batch'
+    eval_trials = [line for line in out.splitlines() if line.startswith('  eval batch ')]
+    assert 1 <= len(eval_trials) <= 4, eval_trials  # forward-only, from 2x the micro-batch up to the split (24)
+    values = yaml.safe_load(config.read_text())
+    assert values['batch_size'] == 4 and values['validation_batch_size'] > 4
+    assert f'Eval batch {values["validation_batch_size"]} = ' in out
+    assert (tmp_path / 't.eval.trials.json').exists()
+    read_back, _ = parse_args(['-c', str(config)])  # a stock key: train.py (ours or stock) reads it
+    assert read_back.validation_batch_size == values['validation_batch_size']
+
+
+def test_train_evaluation_gives_the_same_results_at_the_tuned_eval_batch(tmp_path, image_folder):
+    def eval_rows(name, *extra):
+        result = run_script('train.py', '--data-dir', image_folder, *RUN, '-b', '4', '--epochs', '2', '--seed', '3',
+                            '--output', tmp_path, '--experiment', name, '--log-interval', '1', *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        batches = {line.split('[', 1)[1].split(']')[0] for line in result.stderr.splitlines()
+                   if line.startswith('Test: [')}
+        rows = [line.split(',') for line in (tmp_path / name / 'summary.csv').read_text().splitlines()]
+        header = rows[0]
+        return batches, [{k: float(v) for k, v in zip(header, row) if k.startswith('eval_')} for row in rows[1:]]
+
+    stock_batches, stock = eval_rows('stock')
+    tuned_batches, tuned = eval_rows('tuned', '--validation-batch-size', '24')
+    assert '   5/5' in stock_batches and tuned_batches == {'   0/0'}  # 24 images: 6 batches of 4, or one of 24
+    for a, b in zip(stock, tuned):
+        assert (a['eval_top1'], a['eval_top5']) == (b['eval_top1'], b['eval_top5'])
+        assert a['eval_loss'] == pytest.approx(b['eval_loss'], abs=1e-6)
 
 
 def test_real_digits_tune_then_train_is_well_above_chance(tmp_path):
