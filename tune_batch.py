@@ -209,6 +209,21 @@ class ProbeRequest:
     phase: str = 'train'  # or 'eval': the evaluation forward (`TrainTrialSetup.eval_trials`)
     seconds_per_trial: Optional[float] = None  # wall time of one trial in the last probe run here (not cached)
 
+    def cache_key(self, select: str, max_batch: int, start: int) -> Dict[str, Any]:
+        """The probe cache's key for this request probed with these settings."""
+        settings = dict(budget=self.budget_bytes, headroom=self.args.mem_headroom, grid=repr(self.grid), start=start,
+                        max_batch=max_batch, timed_steps=TIMED_STEPS)
+        if select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
+            settings.update(retime_rounds=RETIME_ROUNDS, throughput_tol=self.args.throughput_tol)
+        if self.phase != 'train':
+            settings.update(phase=self.phase)
+        return probe_key(self.args, self.setup.input_size, device_name(self.device), physical_memory(self.device),
+                         self.world_size, settings)
+
+    def is_cached(self, select: str, max_batch: int, start: int) -> bool:
+        """Whether this process's cache holds the outcome (rank 0's answer is the one that counts under DDP)."""
+        return not self.args.no_cache and ProbeCache().get(self.cache_key(select, max_batch, start)) is not None
+
     def run(self, select: str, max_batch: int, start: Optional[int] = None) -> ProbeOutcome:
         started = time.perf_counter()
         outcome = probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
@@ -224,14 +239,7 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
     """
     args, setup, device, budget_bytes = request.args, request.setup, request.device, request.budget_bytes
     primary = args.rank == 0
-    settings = dict(budget=budget_bytes, headroom=args.mem_headroom, grid=repr(request.grid), start=start,
-                    max_batch=max_batch, timed_steps=TIMED_STEPS)
-    if probe_select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
-        settings.update(retime_rounds=RETIME_ROUNDS, throughput_tol=args.throughput_tol)
-    if request.phase != 'train':
-        settings.update(phase=request.phase)
-    key = probe_key(args, setup.input_size, device_name(device), physical_memory(device), request.world_size,
-                    settings)
+    key = request.cache_key(probe_select, max_batch, start)
     cache = ProbeCache()
     cached = None if args.no_cache else cache.get(key)
     if args.distributed:  # rank 0's cache decides for all, so every rank takes the same path
@@ -407,7 +415,9 @@ def eval_probe_pays(request: ProbeRequest, eval_s: float, cost_s: float) -> bool
 def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, epochs: int,
                     seconds_per_trial: Optional[float]) -> Tuple[Optional[int], Optional[ProbeOutcome], List[str]]:
     """The eval batch for `validation_batch_size`: the largest forward-only batch that fits the budget, probed only
-    when the run's evaluations last long enough for the trials to cost at most MAX_TUNE_SHARE of them.
+    when the run's evaluations last long enough for the trials to cost at most MAX_TUNE_SHARE of them (a cached
+    outcome costs nothing). The trial cost is the wall time of the training trials just run, or, when those came from
+    the cache, the measured step time over the trial's steps at the largest eval batch.
 
     Returns:
         (the eval batch, or None to leave train.py's default, the micro-batch; the probe; report lines)
@@ -422,13 +432,14 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
     train_speed = trial.samples_per_s or math.inf
     passes = math.ceil(epochs / args.val_interval)
     eval_s = passes * per_rank / (train_speed / FORWARD_SHARE)
+    start = min(2 * micro, limit)
     per_trial = seconds_per_trial or (TIMED_STEPS + 1) * (trial.ms_per_step or 0.0) / 1000 * EVAL_MAX_FACTOR
-    cost_s = EVAL_PROBE_TRIALS * per_trial
+    cost_s = 0.0 if request.is_cached('max', limit, start) else EVAL_PROBE_TRIALS * per_trial  # a cached one is free
     if not eval_probe_pays(request, eval_s, cost_s):
         return None, None, [f'Eval batch: not probed: {passes} evaluations are predicted at ~{eval_s:.1f} s and '
                             f'{EVAL_PROBE_TRIALS} forward-only trials would cost ~{cost_s:.1f} s, more than '
                             f'{MAX_TUNE_SHARE:.0%} of that; train.py evaluates at the micro-batch {micro}.']
-    outcome = request.run('max', limit, start=min(2 * micro, limit))
+    outcome = request.run('max', limit, start=start)
     chosen = outcome.selection.batch_size
     if chosen <= micro:
         return None, outcome, [f'Eval batch: nothing above the micro-batch {micro} fits the budget for evaluation; '
