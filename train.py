@@ -35,9 +35,11 @@ from timm_ext.arg_checks import loss_weighting
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, init_device, lost_peer
 from timm_ext.elastic import (
-    ElasticResume, describe_change, device_note, layout_flags_set_anew, plan_elastic_resume, resume_updates, tune_hint,
+    ElasticResume, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume,
+    resume_updates, tune_hint,
 )
-from timm_ext.lr import default_lr_scale, rescale_lr
+from timm_ext.launch import current_topology
+from timm_ext.lr import default_lr_scale
 from timm_ext.memory import device_name
 from timm_ext.noise_monitor import write_noise_scale_row
 from timm_ext.oom_recovery import OomRecoveryError
@@ -134,8 +136,9 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
         # the global batch moved (no exact split, or the user's new layout): the LR moves with it by the run's rule;
         # a resumed optimizer carries the checkpoint's LR in its groups, a fresh one train.py's for this layout
         scale = args.lr_base_scale or default_lr_scale(args.opt)
-        lr = elastic_lr(elastic, saved_lr(resumed, stack.lr), stack.lr, scale)
-        scale_group_lrs(optimizer, lr / (stack.lr if args.no_resume_opt else saved_lr(resumed, stack.lr)))
+        checkpoint_lr = ckpt.saved_lr(resumed) or stack.lr
+        lr = elastic_lr(elastic, checkpoint_lr, stack.lr, scale)
+        scale_group_lrs(optimizer, lr / (stack.lr if args.no_resume_opt else checkpoint_lr))
     args.lr = lr  # args as stock keeps them: checkpoints hold the LR the run used
     if stack.lr_choice.from_base:
         args.lr_base_scale = stack.lr_choice.scale
@@ -316,24 +319,9 @@ def replan_for_resume(args: argparse.Namespace, resumed: Dict[str, Any], given: 
     saved = ckpt.batch_layout(resumed)
     if saved is None:
         return None
-    user_flags = layout_flags_set_anew(sorted(given), vars(args), vars(resumed['args']))
+    user_flags = layout_flags_set_anew(sorted(given), vars(args), saved)
     return plan_elastic_resume(saved, args.world_size, device_name(device), args.batch_size, args.grad_accum_steps,
                                user_flags)
-
-
-def saved_lr(resumed: Dict[str, Any], default: float) -> float:
-    """The LR the checkpoint's run trained with (its args), or `default` when it does not say."""
-    lr = getattr(resumed.get('args'), 'lr', None)
-    return lr if isinstance(lr, (int, float)) and lr > 0 else default
-
-
-def elastic_lr(elastic: ElasticResume, checkpoint_lr: float, rule_lr: float, scale: str) -> float:
-    """The LR of a resumed run whose global batch differs from the checkpoint's: a layout the user set gets train.py's
-    LR for it (`rule_lr`: --lr, or --lr-base by the rule); a re-plan without an exact split moves the checkpoint's
-    LR to the nearest global batch by the run's rule (as tune_batch.py does for an explicit --lr)."""
-    if elastic.user_flags:
-        return rule_lr
-    return rescale_lr(checkpoint_lr, elastic.saved.global_batch, elastic.now.global_batch, scale)
 
 
 def scale_group_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:
@@ -350,13 +338,13 @@ def log_elastic_resume(elastic: ElasticResume, resumed: Dict[str, Any], lr: floa
                        resume_path: str) -> None:
     """One line on what changed since the checkpoint, and a warning with the probe command on other hardware."""
     saved_updates = ckpt.resume_point(resumed).updates_done
-    lr_now = lr if elastic.global_changed else saved_lr(resumed, lr)
-    _logger.info(describe_change(elastic, saved_lr(resumed, lr), lr_now, start.epoch, saved_updates,
-                                 start.updates_done))
+    checkpoint_lr = ckpt.saved_lr(resumed) or lr
+    lr_now = lr if elastic.global_changed else checkpoint_lr
+    _logger.info(describe_change(elastic, checkpoint_lr, lr_now, start.epoch, saved_updates, start.updates_done))
     if elastic.device_changed:
         args_yaml = os.path.join(os.path.dirname(os.path.abspath(resume_path)), 'args.yaml')
         hint = tune_hint(args_yaml if os.path.exists(args_yaml) else None, elastic.now.global_batch,
-                         elastic.now.world_size)
+                         elastic.now.world_size, current_topology())
         _logger.warning(device_note(elastic, hint))
 
 

@@ -13,8 +13,10 @@ import pytest
 from conftest import REPO_ROOT
 from timm_ext import checkpoint as ckpt
 from timm_ext.elastic import (
-    BatchLayout, describe_change, device_note, layout_flags_set_anew, plan_elastic_resume, resume_updates, tune_hint,
+    BatchLayout, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume, resume_updates,
+    tune_hint,
 )
+from timm_ext.launch import Topology
 
 TWO_RANKS = BatchLayout(16, 2, 1, 'gpu-a')
 
@@ -37,16 +39,18 @@ def test_no_exact_split_is_the_nearest_global_batch_and_says_so():
     plan = plan_elastic_resume(BatchLayout(8, 2, 1), 3, '', 8, 1)
     assert not plan.exact and plan.global_changed
     assert 'nearest' in plan.reason
+    assert elastic_lr(plan, 0.1, 0.5, 'linear') == pytest.approx(0.1 * plan.now.global_batch / 16)  # by the rule
 
 
 def test_a_new_value_set_by_the_user_wins_and_an_unchanged_one_does_not():
-    saved = {'batch_size': 16, 'grad_accum_steps': 1}
-    assert layout_flags_set_anew(['batch_size', 'grad_accum_steps'], saved, saved) == ()
-    assert layout_flags_set_anew(['batch_size'], {'batch_size': 8, 'grad_accum_steps': 1}, saved) == (
+    same = {'batch_size': 16, 'grad_accum_steps': 1}
+    assert layout_flags_set_anew(['batch_size', 'grad_accum_steps'], same, TWO_RANKS) == ()
+    assert layout_flags_set_anew(['batch_size'], {'batch_size': 8, 'grad_accum_steps': 1}, TWO_RANKS) == (
         '-b/--batch-size',)
-    assert layout_flags_set_anew([], {'batch_size': 8, 'grad_accum_steps': 1}, saved) == ()  # the default, not set
+    assert layout_flags_set_anew([], {'batch_size': 8, 'grad_accum_steps': 1}, TWO_RANKS) == ()  # a default, not set
     plan = plan_elastic_resume(TWO_RANKS, 1, 'gpu-a', 8, 1, ('-b/--batch-size',))
     assert (plan.now.micro_batch, plan.now.accum_steps) == (8, 1) and plan.global_changed
+    assert elastic_lr(plan, 0.1, 0.025, 'linear') == 0.025  # the user's layout: train.py's LR for it
     line = describe_change(plan, 0.1, 0.025, 3, 0, 0)
     assert '-b/--batch-size set for this run win' in line and 'global batch 32 -> 8, LR 0.1 -> 0.025' in line
 
@@ -64,6 +68,10 @@ def test_device_change_names_both_devices_and_the_probe_command():
     assert hint == 'python tune_batch.py -c run/args.yaml --target-global-batch 32 --nproc 2 --dry-run'
     note = device_note(plan, hint)
     assert 'gpu-a -> gpu-b' in note and hint in note
+    two_nodes = Topology('2', '1', rdzv_backend='c10d', rdzv_endpoint='head:29400')
+    assert tune_hint(None, 32, 2, two_nodes) == ('python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 '
+                                                 '--rdzv-backend=c10d --rdzv-endpoint=head:29400 tune_batch.py '
+                                                 '--target-global-batch 32 --dry-run')
 
 
 def test_layout_is_read_from_the_checkpoint_args_and_device_name():
@@ -72,6 +80,7 @@ def test_layout_is_read_from_the_checkpoint_args_and_device_name():
     assert ckpt.batch_layout(state) == BatchLayout(16, 2, 3, 'gpu-a')
     assert ckpt.batch_layout({'state_dict': {}}) is None
     assert ckpt.batch_layout({'args': argparse.Namespace(batch_size=8)}) == BatchLayout(8, 1, 1, '')
+    assert ckpt.saved_lr(state) is None and ckpt.saved_lr({'args': argparse.Namespace(lr=0.5)}) == 0.5
 
 
 # ---- train.py on gloo ranks ---------------------------------------------------------------------------------------

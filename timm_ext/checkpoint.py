@@ -274,6 +274,12 @@ def batch_layout(checkpoint: Dict[str, Any]) -> Optional[BatchLayout]:
     return BatchLayout(batch_size, int(world_size), int(accum_steps), str(checkpoint.get('device_name', '')))
 
 
+def saved_lr(checkpoint: Dict[str, Any]) -> Optional[float]:
+    """The LR the checkpoint's run trained with (``args.lr``), or None when it does not say."""
+    lr = getattr(checkpoint.get('args'), 'lr', None)
+    return float(lr) if isinstance(lr, (int, float)) and lr > 0 else None
+
+
 @dataclass
 class ResumePoint:
     """Where a resumed run starts: ``epoch``, after ``updates_done`` optimizer updates of that epoch."""

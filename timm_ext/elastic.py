@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from .accum import plan_accumulation
+from .launch import Topology
+from .lr import rescale_lr
 
-__all__ = ['LAYOUT_FLAGS', 'BatchLayout', 'ElasticResume', 'plan_elastic_resume', 'resume_updates', 'tune_hint',
-           'describe_change', 'device_note', 'layout_flags_set_anew']
+__all__ = ['LAYOUT_FLAGS', 'BatchLayout', 'ElasticResume', 'plan_elastic_resume', 'resume_updates', 'elastic_lr',
+           'tune_hint', 'describe_change', 'device_note', 'layout_flags_set_anew']
 
 # train.py dests that make up the layout, and their flags (for messages)
 LAYOUT_FLAGS = {'batch_size': '-b/--batch-size', 'grad_accum_steps': '--grad-accum-steps'}
@@ -117,11 +119,29 @@ def resume_updates(updates_done: int, saved_global: int, new_global: int) -> int
     return updates_done * saved_global // new_global
 
 
-def tune_hint(args_yaml: Optional[str], global_batch: int, world_size: int) -> str:
-    """The tune_batch.py command that probes the micro-batch of `global_batch` on this device and world size."""
+def elastic_lr(plan: ElasticResume, checkpoint_lr: float, rule_lr: float, scale: str) -> float:
+    """The LR of a resumed run whose global batch differs from the checkpoint's.
+
+    A layout the user set gets train.py's LR for it (`rule_lr`: --lr, or --lr-base by the rule); a re-plan without
+    an exact split moves the checkpoint's LR to the nearest global batch by the run's rule `scale` (as tune_batch.py
+    does for an explicit --lr).
+    """
+    if plan.user_flags:
+        return rule_lr
+    return rescale_lr(checkpoint_lr, plan.saved.global_batch, plan.now.global_batch, scale)
+
+
+def tune_hint(args_yaml: Optional[str], global_batch: int, world_size: int,
+              topology: Optional[Topology] = None) -> str:
+    """The tune_batch.py command that probes the micro-batch of `global_batch` on this device and world size: under
+    a multi-node torchrun `topology` launched the same way on each node, else `--nproc` on this one."""
     config = f'-c {args_yaml} ' if args_yaml else ''
+    options = f'{config}--target-global-batch {global_batch}'
+    if topology is not None and topology.multi_node:
+        launcher = ' '.join(['python -m torch.distributed.run', *topology.torchrun_options()])
+        return f'{launcher} tune_batch.py {options} --dry-run'
     nproc = f' --nproc {world_size}' if world_size > 1 else ''
-    return f'python tune_batch.py {config}--target-global-batch {global_batch}{nproc} --dry-run'
+    return f'python tune_batch.py {options}{nproc} --dry-run'
 
 
 def describe_change(plan: ElasticResume, saved_lr: Optional[float], lr: float, epoch: int,
@@ -162,10 +182,11 @@ def device_note(plan: ElasticResume, hint: str) -> str:
             f'YAML (or add --oom-recover).')
 
 
-def layout_flags_set_anew(given: Sequence[str], parsed: dict, saved: dict) -> Tuple[str, ...]:
+def layout_flags_set_anew(given: Sequence[str], parsed: dict, saved: BatchLayout) -> Tuple[str, ...]:
     """Flags of the layout the resumed run sets (command line or -c YAML) to a value other than the checkpoint's.
 
     A value equal to the checkpoint's (the run's own args.yaml passed back with -c) is no new setting.
     """
+    saved_values = {'batch_size': saved.micro_batch, 'grad_accum_steps': saved.accum_steps}
     return tuple(flag for dest, flag in LAYOUT_FLAGS.items()
-                 if dest in given and parsed.get(dest) != saved.get(dest))
+                 if dest in given and parsed.get(dest) != saved_values[dest])
