@@ -128,9 +128,10 @@ def test_two_ranks_then_one_then_two_keep_global_batch_lr_and_schedule(image_fol
     train(2, image_folder, tmp_path, 'two', '-b', '4')
     one = start_training(1, image_folder, tmp_path, 'one', '-c', tmp_path / 'two' / 'args.yaml',
                          '--resume', tmp_path / 'two' / 'checkpoint-0.pth.tar')
-    # meanwhile (independent of it): a layout the user sets anew wins, and the LR follows its global batch
+    # meanwhile (independent of it): a layout the user sets anew wins and the LR follows its global batch; resumed
+    # inside epoch 2 after 2 updates of 8 samples, which are 1 of the 2 updates of 16 its epochs now have
     user = start_training(1, image_folder, tmp_path, 'user', '-c', tmp_path / 'two' / 'args.yaml', '--resume',
-                          tmp_path / 'two' / 'checkpoint-1.pth.tar', '-b', '8', '--grad-accum-steps', '2')
+                          tmp_path / 'two' / 'recovery-2-1.pth.tar', '-b', '8', '--grad-accum-steps', '2')
     one_log, user_log = finished(one), finished(user)
     assert ('Elastic resume: the checkpoint trained 4 x 2 ranks x 1 accum = global batch 8, this run 4 x 1 rank x 2 '
             'accum = global batch 8; re-planned for its 1 rank(s): accumulation 1 -> 2; same global batch') in one_log
@@ -156,6 +157,10 @@ def test_two_ranks_then_one_then_two_keep_global_batch_lr_and_schedule(image_fol
     # the user's layout: adamw, sqrt rule from lr_base 0.1 at 256
     assert ('-b/--batch-size and --grad-accum-steps set for this run win over the re-plan; global batch 8 -> 16, '
             'LR 0.0176777 -> 0.025 by the run\'s rule') in user_log
-    got, lr, initial_lr, _ = layout(tmp_path / 'user' / 'last.pth.tar')
+    moved = "epoch 2 continues after 16 samples (update 2 of the checkpoint's layout is update 1 of this one)"
+    assert moved in user_log
+    assert 'Resuming epoch 2 at update 1/2: skipping 2 batches already trained' in user_log
+    got, lr, initial_lr, steps = layout(tmp_path / 'user' / 'last.pth.tar')
     assert got.global_batch == 16 and lr == pytest.approx(0.025) and initial_lr == pytest.approx(0.025)
+    assert steps == {9}  # 8 updates in the checkpoint, then the last one of epoch 2
 
