@@ -15,14 +15,18 @@ survives out-of-memory errors with the same updates (smaller micro-batches, more
 
 The script wires timm and `timm_ext` together; the loop is `timm_ext.train_loop.TrainLoop`.
 """
+import argparse
+import dataclasses
 import importlib
 import json
 import logging
 import os
 import sys
 from datetime import datetime
+from typing import AbstractSet, Any, Dict, Optional
 
 import torch
+import yaml
 from timm import utils
 from timm.layers import set_fast_norm
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
@@ -33,10 +37,17 @@ from timm_ext.arg_checks import loss_weighting
 from timm_ext.atomic_files import append_csv_row, atomic_text, remove_stale_tmp_files
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import init_device, lost_peer
+from timm_ext.elastic import (
+    ElasticResume, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume,
+    resume_updates, tune_hint,
+)
 from timm_ext.errors import TimmExtError, report
+from timm_ext.launch import current_topology
+from timm_ext.lr import default_lr_scale
+from timm_ext.memory import device_name
 from timm_ext.noise_monitor import write_noise_scale_row
 from timm_ext.stop_signal import StopOnSignal, TrainingStopped
-from timm_ext.train_args import parse_args
+from timm_ext.train_args import args_to_yaml, build_parser, given_dests, parse_args
 from timm_ext.train_loop import LoopConfig, TrainLoop
 from timm_ext.train_setup import check_arg_combinations, check_inputs, disable_mixup, experiment_name
 from timm_ext.train_stack import build_training_stack
@@ -57,7 +68,7 @@ def main(argv=None, prog: str = 'train.py') -> int:
     try:
         check_arg_combinations(args)
         check_inputs(args)
-        return train(args, args_text)
+        return train(args, args_text, given_dests(argv, build_parser()))
     except TimmExtError as e:  # bad input, a device or checkpoint problem, a stop on a signal: one line
         return report(prog, e)
     except KeyboardInterrupt:
@@ -80,7 +91,8 @@ def main(argv=None, prog: str = 'train.py') -> int:
             torch.distributed.destroy_process_group()
 
 
-def train(args, args_text: str) -> int:
+def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
+    """Train the run `args` describes; `given` names the dests the command line or its -c YAML set."""
     for module in args.device_modules or ():
         importlib.import_module(module)
     args.prefetcher = not args.no_prefetcher
@@ -94,6 +106,13 @@ def train(args, args_text: str) -> int:
     else:
         _logger.info(f'Training with a single process on {args.device}.')
 
+    elastic = replan_for_resume(args, resumed, given, device) if resumed is not None else None
+    if elastic is not None and elastic.layout_changed:  # the checkpoint's global batch on this run's ranks
+        args.batch_size, args.grad_accum_steps = elastic.now.micro_batch, elastic.now.accum_steps
+        # args.yaml says what this run trains with, so `-c args.yaml --resume` of its checkpoints replays it
+        args_text = args_to_yaml({**yaml.safe_load(args_text), 'batch_size': args.batch_size,
+                                  'grad_accum_steps': args.grad_accum_steps})
+
     utils.random_seed(args.seed, args.rank)
     if args.fuser:
         utils.set_jit_fuser(args.fuser)
@@ -106,7 +125,15 @@ def train(args, args_text: str) -> int:
     data_config, data = stack.data_config, stack.data
     loader_train, loader_eval, mixup_fn, reference_batch = (data.loader_train, data.loader_eval, data.mixup_fn,
                                                             data.reference_batch)
-    args.lr = stack.lr  # args as stock keeps them: checkpoints hold the LR the run used
+    lr = stack.lr
+    if elastic is not None and elastic.global_changed:
+        # the global batch moved (no exact split, or the user's new layout): the LR moves with it by the run's rule;
+        # a resumed optimizer carries the checkpoint's LR in its groups, a fresh one train.py's for this layout
+        scale = args.lr_base_scale or default_lr_scale(args.opt)
+        checkpoint_lr = ckpt.saved_lr(resumed) or stack.lr
+        lr = elastic_lr(elastic, checkpoint_lr, stack.lr, scale)
+        scale_group_lrs(optimizer, lr / (stack.lr if args.no_resume_opt else checkpoint_lr))
+    args.lr = lr  # args as stock keeps them: checkpoints hold the LR the run used
     if stack.lr_choice.from_base:
         args.lr_base_scale = stack.lr_choice.scale
     validate_loss_fn = torch.nn.CrossEntropyLoss().to(device=device)
@@ -120,6 +147,12 @@ def train(args, args_text: str) -> int:
     start = ckpt.ResumePoint(0)
     if resumed is not None:
         start = ckpt.resume_point(resumed)
+    if elastic is not None and elastic.layout_changed and start.updates_done:
+        # the same samples of the epoch are done, counted in this layout's updates
+        start = dataclasses.replace(start, updates_done=min(updates_per_epoch, resume_updates(
+            start.updates_done, elastic.saved.global_batch, elastic.now.global_batch)))
+    if elastic is not None and primary and (elastic.layout_changed or elastic.device_changed):
+        log_elastic_resume(elastic, resumed, lr, start, args.resume)
     if args.start_epoch is not None:
         start = ckpt.ResumePoint(args.start_epoch)  # an explicit start epoch wins, as stock
     if lr_scheduler is not None:
@@ -147,11 +180,14 @@ def train(args, args_text: str) -> int:
             else:
                 _logger.warning('--log-wandb asked but wandb is not installed (pip install wandb); not logging.')
 
+    hardware = device_name(device)
+
     def state(epoch, metric=None):
         extra = {'micro_batch': loop.splitter.state_dict()} if loop.splitter is not None else {}
         if loop.noise is not None:  # rank 0's EMAs; every rank continues from them on resume
             extra['noise_scale'] = loop.noise.estimator.state_dict()
-        return {**ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler), **extra}
+        return {**ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler, hardware),
+                **extra}
 
     def save_recovery(epoch, update_idx):
         return saver.save_recovery(
@@ -268,6 +304,42 @@ def train(args, args_text: str) -> int:
                         reverse=decreasing)
         print(f'--result\n{json.dumps(ranked[-10:], indent=4)}')
     return 0
+
+
+def replan_for_resume(args: argparse.Namespace, resumed: Dict[str, Any], given: AbstractSet[str],
+                      device) -> Optional[ElasticResume]:
+    """The layout to resume with: the checkpoint's global batch on this run's ranks, unless the user set a new
+    micro-batch or accumulation (None: the checkpoint does not say how its batch was built)."""
+    saved = ckpt.batch_layout(resumed)
+    if saved is None:
+        return None
+    user_flags = layout_flags_set_anew(sorted(given), vars(args), saved)
+    return plan_elastic_resume(saved, args.world_size, device_name(device), args.batch_size, args.grad_accum_steps,
+                               user_flags)
+
+
+def scale_group_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Scale every param group's LR and its scheduler base (initial_lr), before the scheduler is built."""
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        for key in ('lr', 'initial_lr'):
+            if key in group:
+                group[key] *= factor
+
+
+def log_elastic_resume(elastic: ElasticResume, resumed: Dict[str, Any], lr: float, start: ckpt.ResumePoint,
+                       resume_path: str) -> None:
+    """One line on what changed since the checkpoint, and a warning with the probe command on other hardware."""
+    saved_updates = ckpt.resume_point(resumed).updates_done
+    checkpoint_lr = ckpt.saved_lr(resumed) or lr
+    lr_now = lr if elastic.global_changed else checkpoint_lr
+    _logger.info(describe_change(elastic, checkpoint_lr, lr_now, start.epoch, saved_updates, start.updates_done))
+    if elastic.device_changed:
+        args_yaml = os.path.join(os.path.dirname(os.path.abspath(resume_path)), 'args.yaml')
+        hint = tune_hint(args_yaml if os.path.exists(args_yaml) else None, elastic.now.global_batch,
+                         elastic.now.world_size, current_topology())
+        _logger.warning(device_note(elastic, hint))
 
 
 def summary_row(epoch: int, train_metrics: dict, eval_metrics: dict | None, lr: float) -> dict:

@@ -16,9 +16,14 @@ The global batch is an optimisation choice, not a memory one (`--select auto`, t
 recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a bigger one is chosen only when the
 run is long enough to pay for measuring the gradient noise scale (`timm_ext.critical_batch`) and the bigger batch is
 predicted to reach the recipe's result clearly sooner, the run lengthened to match (`timm_ext.batch_choice`).
+
+The evaluation between epochs keeps no activations for a backward pass, so several times the training micro-batch
+fits: when the run evaluates long enough for a few forward-only trials to pay (`plan_eval_batch`), they find the
+largest eval batch within the same budget and the YAML sets `validation_batch_size` (a stock key).
 """
 import argparse
 import copy
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -48,6 +53,7 @@ from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.handover import exec_training
+from timm_ext.launch import current_topology
 from timm_ext.memory import (
     MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
 )
@@ -74,6 +80,9 @@ SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
 RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes (see select_batch_size)
 SEARCH_TRIALS = 6  # trials a search above the recipe's micro-batch takes, for judging whether it pays
+EVAL_MAX_FACTOR = 8  # the eval probe tries up to this many training micro-batches (x2 steps: about 3 trials)
+EVAL_PROBE_TRIALS = 3  # what the eval probe is budgeted at, for judging whether it pays
+FORWARD_SHARE = 1 / 3  # an eval forward takes about this share of a training step's time (forward + backward)
 SELECTIONS = ('auto', 'critical') + SELECT_MODES
 
 
@@ -189,9 +198,30 @@ class ProbeRequest:
     grid: BatchGrid
     world_size: int
     trials_path: str
+    phase: str = 'train'  # or 'eval': the evaluation forward (`TrainTrialSetup.eval_trials`)
+    seconds_per_trial: Optional[float] = None  # wall time of one trial in the last probe run here (not cached)
+
+    def cache_key(self, select: str, max_batch: int, start: int) -> Dict[str, Any]:
+        """The probe cache's key for this request probed with these settings."""
+        settings = dict(budget=self.budget_bytes, headroom=self.args.mem_headroom, grid=repr(self.grid), start=start,
+                        max_batch=max_batch, timed_steps=TIMED_STEPS)
+        if select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
+            settings.update(retime_rounds=RETIME_ROUNDS, throughput_tol=self.args.throughput_tol)
+        if self.phase != 'train':
+            settings.update(phase=self.phase)
+        return probe_key(self.args, self.setup.input_size, device_name(self.device), physical_memory(self.device),
+                         self.world_size, settings)
+
+    def is_cached(self, select: str, max_batch: int, start: int) -> bool:
+        """Whether this process's cache holds the outcome (rank 0's answer is the one that counts under DDP)."""
+        return not self.args.no_cache and ProbeCache().get(self.cache_key(select, max_batch, start)) is not None
 
     def run(self, select: str, max_batch: int, start: Optional[int] = None) -> ProbeOutcome:
-        return probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
+        started = time.perf_counter()
+        outcome = probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
+        if not outcome.cached:
+            self.seconds_per_trial = (time.perf_counter() - started) / max(1, len(outcome.trials))
+        return outcome
 
 
 def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, start: int) -> ProbeOutcome:
@@ -201,12 +231,7 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
     """
     args, setup, device, budget_bytes = request.args, request.setup, request.device, request.budget_bytes
     primary = args.rank == 0
-    settings = dict(budget=budget_bytes, headroom=args.mem_headroom, grid=repr(request.grid), start=start,
-                    max_batch=max_batch, timed_steps=TIMED_STEPS)
-    if probe_select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
-        settings.update(retime_rounds=RETIME_ROUNDS, throughput_tol=args.throughput_tol)
-    key = probe_key(args, setup.input_size, device_name(device), physical_memory(device), request.world_size,
-                    settings)
+    key = request.cache_key(probe_select, max_batch, start)
     cache = ProbeCache()
     cached = None if args.no_cache else cache.get(key)
     if args.distributed:  # rank 0's cache decides for all, so every rank takes the same path
@@ -222,18 +247,19 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
             selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
         except NothingFitsError as e:
             raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
-        return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+        return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), cached=True)
     if primary:
         sizes = f'size {start}' if start >= max_batch else f'sizes {start}..{max_batch}'
         print(f'Probe: {setup.describe}; budget {format_bytes(budget_bytes)} ({request.budget}) on '
               f'{device_name(device)}, headroom {args.mem_headroom:.0%}, {sizes}.')
         os.makedirs(os.path.dirname(os.path.abspath(request.trials_path)), exist_ok=True)
     table = []
+    prefix = '  ' if request.phase == 'train' else f'  {request.phase} '
 
     def on_trial(trial):
         table.append(trial)
         if primary:
-            print('  ' + format_trial(trial, budget_bytes), flush=True)
+            print(prefix + format_trial(trial, budget_bytes), flush=True)
             atomic_text(trials_to_json(table, request=key, complete=False), request.trials_path)
 
     try:
@@ -258,6 +284,9 @@ class TunedRun:
     lines: List[str] = field(default_factory=list)
     noise: Optional[NoiseEstimate] = None
     choice: Optional[GlobalBatchChoice] = None
+    eval_batch: Optional[int] = None
+    eval_outcome: Optional[ProbeOutcome] = None
+    eval_lines: List[str] = field(default_factory=list)
 
 
 def recipe_global_batch(args: argparse.Namespace, given: Set[str], world_size: int) -> Tuple[int, str]:
@@ -339,7 +368,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     budget = parse_budget(args.mem_budget or '1.0')
     grid = default_grid(device.type, args.batch_multiple)
     setup = build_train_trial(args, device)
-    dataset_train, _ = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
+    dataset_train, dataset_eval = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
     train_samples = len(dataset_train)
     max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
     if max_batch < 1:
@@ -360,7 +389,60 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     epochs = tuned.schedule.get('epochs', args.epochs)
     updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
     tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]
+    if 'validation_batch_size' in given:
+        tuned.eval_lines = [f'Eval batch: --validation-batch-size {args.validation_batch_size} as given; not probed.']
+    elif dataset_eval is not None:
+        eval_request = dataclasses.replace(request, setup=setup.eval_trials(), phase='eval',
+                                           trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
+        tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
+            eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
     return tuned
+
+
+def eval_probe_pays(request: ProbeRequest, eval_s: float, cost_s: float) -> bool:
+    """`tuning_pays` for the eval probe, decided on rank 0 (wall times differ between ranks; all must agree)."""
+    pays = [tuning_pays(eval_s, cost_s)]
+    if request.args.distributed:
+        dist.broadcast_object_list(pays, src=0)
+    return pays[0]
+
+
+def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, epochs: int,
+                    seconds_per_trial: Optional[float]) -> Tuple[Optional[int], Optional[ProbeOutcome], List[str]]:
+    """The eval batch for `validation_batch_size`: the largest forward-only batch that fits the budget, probed only
+    when the run's evaluations last long enough for the trials to cost at most MAX_TUNE_SHARE of them (a cached
+    outcome costs nothing). The trial cost is the wall time of the training trials just run, or, when those came from
+    the cache, the measured step time over the trial's steps at the largest eval batch.
+
+    Returns:
+        (the eval batch, or None to leave train.py's default, the micro-batch; the probe; report lines)
+    """
+    args, micro = request.args, tuned.plan.micro_batch
+    per_rank = math.ceil(eval_samples / request.world_size)
+    limit = min(per_rank, EVAL_MAX_FACTOR * micro)
+    if limit <= micro:
+        return None, None, [f'Eval batch: the validation split ({per_rank} per rank) is one batch of the micro-batch '
+                            f'{micro} already; not probed.']
+    trial = tuned.outcome.selection.trial
+    train_speed = trial.samples_per_s or math.inf
+    passes = math.ceil(epochs / args.val_interval)
+    eval_s = passes * per_rank / (train_speed / FORWARD_SHARE)
+    start = min(2 * micro, limit)
+    per_trial = seconds_per_trial or (TIMED_STEPS + 1) * (trial.ms_per_step or 0.0) / 1000 * EVAL_MAX_FACTOR
+    cost_s = 0.0 if request.is_cached('max', limit, start) else EVAL_PROBE_TRIALS * per_trial  # a cached one is free
+    if not eval_probe_pays(request, eval_s, cost_s):
+        return None, None, [f'Eval batch: not probed: {passes} evaluations are predicted at ~{eval_s:.1f} s and '
+                            f'{EVAL_PROBE_TRIALS} forward-only trials would cost ~{cost_s:.1f} s, more than '
+                            f'{MAX_TUNE_SHARE:.0%} of that; train.py evaluates at the micro-batch {micro}.']
+    outcome = request.run('max', limit, start=start)
+    chosen = outcome.selection.batch_size
+    if chosen <= micro:
+        return None, outcome, [f'Eval batch: nothing above the micro-batch {micro} fits the budget for evaluation; '
+                               f'train.py evaluates at {micro}.']
+    return chosen, outcome, [
+        f'Eval batch {chosen} = {chosen / micro:.3g} x the micro-batch (forward only, no gradients, optimizer state '
+        f'resident; {len(outcome.trials)} trials, peak {format_bytes(outcome.selection.trial.peak_bytes)}): '
+        f'validation_batch_size in the YAML; evaluation results do not depend on it.']
 
 
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
@@ -376,11 +458,17 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     extension_dests = group_dests(parser, EXTENSIONS_GROUP)
     stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))  # train.py's keys, ours left out
     values = {**config_values(train_args, parser, stock_dests, tuned.plan), **tuned.schedule}
+    if tuned.eval_batch is not None:
+        values['validation_batch_size'] = tuned.eval_batch
     extras = extension_flags(train_args, parser, extension_dests)
-    command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras)
+    topology = current_topology() if args.distributed else None  # the launch training must repeat
+    command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras, topology)
     report = report_lines(tuned, args, extras)
     if primary:
-        print('\n'.join(['', 'Trials:', format_table(tuned.outcome.trials, tuned.outcome.budget), ''] + report))
+        tables = ['', 'Trials:', format_table(tuned.outcome.trials, tuned.outcome.budget), '']
+        if tuned.eval_outcome is not None:
+            tables += ['Eval trials:', format_table(tuned.eval_outcome.trials, tuned.eval_outcome.budget), '']
+        print('\n'.join(tables + report))
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
         atomic_text(tuned_config_text(values, report + ['', 'Train with: ' + shell_line(command)]), config_path)
         print(f'Config: {config_path}')
@@ -389,6 +477,11 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         if plot:
             print(f'Plot: {plot}')
         print(f'Train command: {shell_line(command)}', flush=True)
+    multi_node = topology is not None and topology.multi_node
+    if multi_node and primary:
+        print(f'Run it on each of the {topology.nnodes} nodes as tune_batch.py was (each node prints its own).')
+    elif multi_node and args.local_rank == 0:
+        print(f'Train command on this node: {shell_line(command)}', flush=True)
     if args.distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -431,6 +524,7 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
         f'{plan.micro_batch} x {plan.world_size} x {plan.accum_steps}. {plan.reason}',
         f'LR {plan.lr:g} ({plan.lr_rule or "given"}): {plan.lr_reason}',
     ]
+    lines += tuned.eval_lines
     if tuned.schedule:
         changes = ', '.join(f'{key} {value}' for key, value in sorted(tuned.schedule.items()))
         lines.append(f'Schedule lengthened to match: {changes}')

@@ -105,8 +105,9 @@ def trial_lines(stdout: str):
 def dry_run(tmp_path_factory, image_folder):
     tmp_path = tmp_path_factory.mktemp('tune')
     config = tmp_path / 'tuned.yaml'
-    first = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--tuned-config', config,
-                 '--opt', 'adamw', '--dry-run')
+    # 10000 epochs: evaluation is long enough for the eval-batch probe to pay
+    first = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--epochs', '10000',
+                 '--tuned-config', config, '--opt', 'adamw', '--dry-run')
     return tmp_path, config, first
 
 
@@ -129,7 +130,8 @@ def test_dry_run_config_is_read_back_by_train_parser(dry_run, image_folder):
     assert values['batch_size'] * values['grad_accum_steps'] == 96
     assert 'lr' not in values  # from --lr-base: train.py computes the same LR itself
     read_back, _ = parse_args(['-c', str(config)])
-    expected, _ = parse_args(['--data-dir', str(image_folder), *RUN, '--opt', 'adamw',
+    expected, _ = parse_args(['--data-dir', str(image_folder), *RUN, '--opt', 'adamw', '--epochs', '10000',
+                              '--validation-batch-size', str(values['validation_batch_size']),
                               '--batch-size', str(values['batch_size']),
                               '--grad-accum-steps', str(values['grad_accum_steps'])])
     assert vars(read_back) == vars(expected)
@@ -138,10 +140,10 @@ def test_dry_run_config_is_read_back_by_train_parser(dry_run, image_folder):
 def test_second_identical_request_is_a_cache_hit(dry_run, image_folder):
     tmp_path, config, first = dry_run
     again = tmp_path / 'again.yaml'
-    second = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--tuned-config', again,
-                  '--opt', 'adamw', '--dry-run')
+    second = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--epochs', '10000',
+                  '--tuned-config', again, '--opt', 'adamw', '--dry-run')
     assert second.returncode == 0, second.stderr[-3000:]
-    assert 'cached result' in second.stdout and not trial_lines(second.stdout)
+    assert second.stdout.count('cached result') == 2 and 'batch ' not in second.stdout.split('Trials:')[0]
     strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith('# Train with')]
     assert strip(again.read_text()) == strip(config.read_text())
     # a different request (another optimizer) is not served from the cache
@@ -275,6 +277,9 @@ def test_a_global_batch_set_on_the_command_line_is_kept_with_one_trial(tmp_path,
     out = report_of(tune(tmp_path, image_folder, *batch_flags, '--tuned-config', config, '--dry-run'))
     assert len(trial_lines(out)) == 1 and 'one trial, nothing to search' in out
     assert planned(config) == (global_batch, 1) and 'Kept it exactly' in out
+    # 300 evaluations of 24 images take seconds: a few eval trials would cost more than 5% of that
+    assert 'Eval batch: not probed: 300 evaluations are predicted' in out and '  eval batch' not in out
+    assert 'validation_batch_size' not in yaml.safe_load(config.read_text())
 
 
 def test_a_global_batch_set_in_the_yaml_is_kept_and_split_when_it_does_not_fit(tmp_path, image_folder):
@@ -317,6 +322,45 @@ def test_select_max_warns_when_the_batch_leaves_few_updates(tmp_path, image_fold
     out = report_of(tune(tmp_path, image_folder, '--select', 'max', '--epochs', '8', '--tuned-config',
                          tmp_path / 't.yaml', '--dry-run'))
     assert 'Warning: global batch 24 leaves the run only 8 optimizer updates' in out
+    assert 'the validation split (24 per rank) is one batch of the micro-batch 24 already; not probed' in out
+
+
+# ---- the eval batch ----------------------------------------------------------------------------------------------
+
+def test_a_long_run_probes_the_eval_batch_and_writes_validation_batch_size(dry_run):
+    tmp_path, config, result = dry_run
+    out = report_of(result)
+    eval_trials = [line for line in out.splitlines() if line.startswith('  eval batch ')]
+    # forward-only trials from 2x the micro-batch (16 fits the 48 MiB budget in training), capped by the split (24)
+    assert 1 <= len(eval_trials) <= 4, eval_trials
+    values = yaml.safe_load(config.read_text())
+    assert values['validation_batch_size'] > values['batch_size']
+    assert f'Eval batch {values["validation_batch_size"]} = ' in out and 'Eval trials:' in out
+    assert (tmp_path / 'tuned.eval.trials.json').exists()
+
+
+def test_train_evaluation_gives_the_same_results_at_the_tuned_eval_batch(tmp_path, image_folder):
+    def start(name, *extra):  # both runs at once: each is mostly interpreter start-up
+        return subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / 'train.py'), '--data-dir', str(image_folder), *RUN, '-b', '4', '--epochs',
+             '2', '--seed', '3', '--output', str(tmp_path), '--experiment', name, '--log-interval', '1', *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            env={**os.environ, 'OMP_NUM_THREADS': '1'})
+
+    def eval_rows(name, proc):
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 0, stderr[-3000:]
+        batches = {line.split('[', 1)[1].split(']')[0] for line in stderr.splitlines() if line.startswith('Test: [')}
+        rows = [line.split(',') for line in (tmp_path / name / 'summary.csv').read_text().splitlines()]
+        header = rows[0]
+        return batches, [{k: float(v) for k, v in zip(header, row) if k.startswith('eval_')} for row in rows[1:]]
+
+    runs = {'stock': start('stock'), 'tuned': start('tuned', '--validation-batch-size', '24')}
+    (stock_batches, stock), (tuned_batches, tuned) = (eval_rows(name, proc) for name, proc in runs.items())
+    assert '   5/5' in stock_batches and tuned_batches == {'   0/0'}  # 24 images: 6 batches of 4, or one of 24
+    for a, b in zip(stock, tuned):
+        assert (a['eval_top1'], a['eval_top5']) == (b['eval_top1'], b['eval_top5'])
+        assert a['eval_loss'] == pytest.approx(b['eval_loss'], abs=1e-6)
 
 
 def test_real_digits_tune_then_train_is_well_above_chance(tmp_path):

@@ -9,8 +9,9 @@ system has no hard links).
 
 Checkpoints keep timm's keys (epoch, arch, state_dict, optimizer, version, args, amp_scaler, state_dict_ema, metric)
 so ``timm.models.load_checkpoint``, timm's validate.py and timm's train.py ``--resume`` read them, plus our own:
-``scheduler``, ``rng``, ``saver`` (history bookkeeping) and, in recovery checkpoints, ``updates_done`` and
-``epoch_rng`` so a resume continues inside the interrupted epoch.
+``scheduler``, ``rng``, ``saver`` (history bookkeeping), ``device_name`` (the hardware it trained on: with the batch
+size, world size and accumulation in ``args`` it is the layout an elastic resume re-plans from, ``batch_layout``)
+and, in recovery checkpoints, ``updates_done`` and ``epoch_rng`` so a resume continues inside the interrupted epoch.
 """
 import argparse
 import logging
@@ -25,6 +26,7 @@ import torch
 
 from .atomic_files import atomic_duplicate, atomic_torch_save, atomic_write, state_bytes
 from .errors import TimmExtError
+from .elastic import BatchLayout
 
 _logger = logging.getLogger(__name__)
 
@@ -93,8 +95,9 @@ def training_state(
         metric: Optional[float] = None,
         grad_scaler: Any = None,
         lr_scheduler: Any = None,
+        device_name: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Everything a checkpoint holds, under timm's keys plus ``scheduler`` and ``rng``.
+    """Everything a checkpoint holds, under timm's keys plus ``scheduler``, ``rng`` and ``device_name``.
 
     Args:
         task: The timm.task training task (its model and EMA state dicts, DDP/compile wrappers removed).
@@ -104,6 +107,7 @@ def training_state(
         metric: Value that ranks the checkpoint, if any.
         grad_scaler: The AMP gradient scaler, stored as ``amp_scaler`` (timm's NativeScaler key).
         lr_scheduler: The timm scheduler.
+        device_name: The hardware the run trains on (`timm_ext.memory.device_name`).
     """
     state = {'epoch': epoch, 'arch': args.model, 'optimizer': optimizer.state_dict(), 'version': 2, 'args': args}
     if grad_scaler is not None:
@@ -115,7 +119,30 @@ def training_state(
     if lr_scheduler is not None:
         state['scheduler'] = lr_scheduler.state_dict()
     state['rng'] = rng_state()
+    if device_name is not None:
+        state['device_name'] = device_name
     return state
+
+
+def batch_layout(checkpoint: Dict[str, Any]) -> Optional[BatchLayout]:
+    """How the checkpoint's run built its global batch (from its ``args`` and ``device_name``).
+
+    None when the checkpoint has no ``args`` with a batch size (written by other code). A stock timm checkpoint has
+    ``args`` without our ``device_name``: the layout's device is then unknown ('').
+    """
+    args = checkpoint.get('args')
+    batch_size = getattr(args, 'batch_size', None)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        return None
+    world_size = getattr(args, 'world_size', 1) or 1
+    accum_steps = getattr(args, 'grad_accum_steps', 1) or 1
+    return BatchLayout(batch_size, int(world_size), int(accum_steps), str(checkpoint.get('device_name', '')))
+
+
+def saved_lr(checkpoint: Dict[str, Any]) -> Optional[float]:
+    """The LR the checkpoint's run trained with (``args.lr``), or None when it does not say."""
+    lr = getattr(checkpoint.get('args'), 'lr', None)
+    return float(lr) if isinstance(lr, (int, float)) and lr > 0 else None
 
 
 @dataclass

@@ -19,11 +19,16 @@ Three things differ from the run on purpose, each to keep a trial one honest, se
   does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
   but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
 
+The same setup also times the run's evaluation step (`TrainTrialSetup.eval_trials`): a forward pass without
+gradients of the eval model at the eval input size, with the optimizer state resident as it is when train.py
+evaluates between epochs; tune_batch.py probes it for `validation_batch_size`.
+
 `probe_train_batch` runs the whole probe: budget, cap, the search aimed at the headroom's limit, re-timing
 (throughput choice), choice.
 """
 import argparse
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -84,12 +89,24 @@ class TrainTrialSetup:
         input_size: (C, H, W) of the trial inputs.
         describe: One line naming the model, input, precision and optimizer (for reports and errors).
         device: The device trials run on.
+        eval_step: Runs one evaluation forward at a batch size (no gradients), the optimizer state allocated.
+        eval_input_size: (C, H, W) train.py evaluates at.
     """
     step: Callable[[int], None]
     reset: Callable[[], None]
     input_size: Tuple[int, ...]
     describe: str
     device: torch.device
+    eval_step: Optional[Callable[[int], None]] = None
+    eval_input_size: Optional[Tuple[int, ...]] = None
+
+    def eval_trials(self) -> 'TrainTrialSetup':
+        """The same run's evaluation step as the trial (for `probe_train_batch`)."""
+        if self.eval_step is None:
+            raise ValueError('this setup was built without an evaluation step')
+        return dataclasses.replace(self, step=self.eval_step, input_size=self.eval_input_size,
+                                   describe=f'{self.describe}; evaluation forward (no gradients) at input '
+                                            f'{"x".join(map(str, self.eval_input_size))}')
 
 
 def _soft_targets(args: argparse.Namespace) -> bool:
@@ -145,6 +162,26 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
         task.update_ema(step=updates[0])
         del buckets
 
+    eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
+    eval_model = task.get_eval_model()
+    prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
+
+    def eval_step(batch_size: int) -> None:
+        if not optimizer.state:  # train.py evaluates with the optimizer state allocated: a tiny update makes it
+            step(2)  # (batch norm needs 2 samples)
+        shape = (batch_size,) + eval_input_size
+        held = [torch.randn(shape, device=device, dtype=model_dtype) for _ in range(prefetched)]
+        input = torch.randn(shape, device=device, dtype=model_dtype)
+        if args.channels_last:
+            input = input.contiguous(memory_format=torch.channels_last)
+        eval_model.eval()
+        try:
+            with torch.inference_mode(), amp.autocast():
+                eval_model(input)
+        finally:
+            eval_model.train()
+        del input, held
+
     def reset() -> None:
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
@@ -158,7 +195,7 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
                               ('SyncBN probed as BN', sync_bn_asked)) if on]
     describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
                 + (', ' + ', '.join(extras) if extras else ''))
-    return TrainTrialSetup(step, reset, tuple(input_size), describe, device)
+    return TrainTrialSetup(step, reset, tuple(input_size), describe, device, eval_step, eval_input_size)
 
 
 @dataclass
@@ -170,11 +207,13 @@ class ProbeOutcome:
         budget: The budget in bytes.
         describe: What was probed (model, input, precision, optimizer).
         device_name: The device's name.
+        cached: Read from the probe cache (no trials ran).
     """
     selection: Selection
     budget: int
     describe: str
     device_name: str
+    cached: bool = False
 
     @property
     def trials(self) -> List[Trial]:

@@ -548,7 +548,10 @@ class TrainLoop:
                 loss = loss_fn(output, target)
             top1, top5 = accuracy(output, target, topk=(1, 5))
             n = output.shape[0]
-            totals += torch.stack([loss.double() * n, top1.double() * n, top5.double() * n,
+            # timm's accuracy is a float32 percentage; summed back as exact counts, top-1 / top-5 do not depend on
+            # how the split is cut into batches (--validation-batch-size)
+            hits = (torch.stack([top1, top5]).double() * n / 100).round() * 100
+            totals += torch.stack([loss.double() * n, hits[0], hits[1],
                                    torch.tensor(n, device=cfg.device, dtype=torch.float64)])
             if batch_idx == last_idx or batch_idx % cfg.log_interval == 0:
                 seen = reduce_sum(totals) if cfg.distributed else totals

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from .accum import plan_accumulation
+from .launch import Topology
 from .lr import default_lr_scale, rescale_lr, resolve_lr
 from .train_setup import batch_multiple
 
@@ -159,8 +160,13 @@ def extension_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, d
     return flags
 
 
-def train_command(python: str, script_dir: str, config_path: str, nproc: int, extra: Sequence[str]) -> List[str]:
-    """The train command: `python train.py -c CONFIG ...`, or `distributed_train.sh N -c CONFIG ...`."""
+def train_command(python: str, script_dir: str, config_path: str, nproc: int, extra: Sequence[str],
+                  topology: Optional[Topology] = None) -> List[str]:
+    """The train command: `python train.py -c CONFIG ...`, `distributed_train.sh N -c CONFIG ...` on one node, or
+    torchrun with the options of a multi-node `topology` (the one tune_batch.py was started under)."""
+    if topology is not None and topology.multi_node:
+        return [python, '-m', 'torch.distributed.run', *topology.torchrun_options(), f'{script_dir}/train.py',
+                '-c', config_path, *extra]
     if nproc > 1:
         return [f'{script_dir}/distributed_train.sh', str(nproc), '-c', config_path, *extra]
     return [python, f'{script_dir}/train.py', '-c', config_path, *extra]
