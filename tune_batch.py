@@ -10,7 +10,9 @@ for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML conf
 reads with `-c`, print a report and the train command, then train unless `--dry-run`: in this process, once
 everything the probe built is released (the imports are paid once; the probe's model, optimizer and allocator cache
 are gone). With `--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest),
-and once they have exited this process becomes distributed_train.sh (`timm_ext.handover`).
+and once they have exited this process becomes distributed_train.sh (`timm_ext.handover`). Started by torchrun
+itself (several nodes, say), it probes and plans on every rank and prints the train command with the topology it was
+started under (`timm_ext.launch`), for each node to run.
 
 The global batch is an optimisation choice, not a memory one (`--select auto`, the default): a global batch the
 recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a bigger one is chosen only when the
