@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument('--recipes', nargs='+', default=list(RECIPES)[:3], choices=list(RECIPES))
     parser.add_argument('--models', nargs='+', default=['test_resnet', 'test_vit'])
     parser.add_argument('--sweep', nargs='*', type=int, default=[32, 64, 128, 256, 512])
+    parser.add_argument('--batches', nargs='+', default=['default', '32'],
+                        help="the recipe's batch in the stock/tune pairs: 'default' (no -b) and/or sizes for -b")
     parser.add_argument('--repeats', type=int, default=1, help='stock/tune pairs per recipe')
     parser.add_argument('--workers', type=int, default=2, help='-j/--workers of every run')
     parser.add_argument('--output', default=str(REPO / 'bench' / 'results' / 'time_to_accuracy.json'))
@@ -91,8 +93,9 @@ def main() -> None:
                       '-j', str(args.workers), *RECIPE]
             entry = {'recipe': name, 'dataset': dataset, 'train_images': train_images, 'model': model, 'epochs': epochs,
                      'pairs': [], 'sweep': []}
-            for batch in ([], ['-b', '32']):
-                label = 'default' if not batch else '-b 32'
+            for choice in args.batches:
+                batch = [] if choice == 'default' else ['-b', choice]
+                label = 'default' if not batch else f'-b {choice}'
                 for i in range(args.repeats):
                     tag = f'{name}-{model}-{label.replace(" ", "")}-{i}'
                     stock = run([python, args.stock, *recipe, *batch], work / 'runs', f'stock-{tag}', env)
