@@ -6,7 +6,7 @@ segment after the model is built, plus the budget), on the same model, optimizer
 one CPU thread:
 
 * ours: `timm_ext.probe_train.probe_train_batch` as tune_batch.py runs it (headroom 10%, --select max, the default
-  grid of the device), and today's search for the trial count it must not exceed (grow x2 from 2, then bisect on the
+  grid of the device, a warm-up and tune_batch's 3 timed updates per trial), and today's search for the trial count it must not exceed (grow x2 from 2, then bisect on the
   decay grid, the same trial and headroom, no aiming).
 * lightning-binsearch / lightning-power: `Tuner.scale_batch_size` (init 2, 3 steps per trial, 25 trials, its 5%
   margin) on a LightningModule around the same timm model.
@@ -70,15 +70,17 @@ def worker_ours(config: str, aim: bool) -> dict:
     from timm_ext.memory import memory_cap, parse_budget
     from timm_ext.probe import DecayGrid, headroom_accept, search_batch_size, select_batch_size
     from timm_ext.probe_train import probe_train_batch
+    from tune_batch import TIMED_STEPS
     setup = setup_trial(train_flags(config))
     budget = parse_budget(CONFIGS[config][3])
     start = time.perf_counter()
     if aim:
-        trials = probe_train_batch(setup, budget, headroom=HEADROOM, select='max', start=2).trials
+        trials = probe_train_batch(setup, budget, headroom=HEADROOM, select='max', start=2,
+                                   timed_steps=TIMED_STEPS).trials
     else:
         budget_bytes = budget.resolve(setup.device)
         with memory_cap(setup.device, budget_bytes) as cap:
-            trials = search_batch_size(capped_trial(setup, cap), 2, grid=DecayGrid(),
+            trials = search_batch_size(capped_trial(setup, cap, TIMED_STEPS), 2, grid=DecayGrid(),
                                        accept=headroom_accept(budget_bytes, HEADROOM))
     seconds = time.perf_counter() - start
     return {'found': select_batch_size(trials).batch_size, 'trials': len(trials), 'seconds': seconds,
