@@ -7,7 +7,8 @@ one CPU thread:
 
 * ours: `timm_ext.probe_train.probe_train_batch` as tune_batch.py runs it (`--headroom`, default 10% as there;
   --select max; the device's default grid; a warm-up and tune_batch's 3 timed updates per trial), and today's search
-  for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and headroom, no aiming).
+  for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and
+  headroom, no aiming).
 * lightning-binsearch / lightning-power: `Tuner.scale_batch_size` (init 2, 3 steps per trial, 25 trials, its 5%
   margin) on a LightningModule around the same timm model.
 * accelerate: `find_executable_batch_size` from `--accelerate-start` around 3 training steps (x0.9 on each OOM).
