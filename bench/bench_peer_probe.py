@@ -5,9 +5,10 @@ Every method runs in its own fresh process under the same real memory cap (RLIMI
 segment after the model is built, plus the budget), on the same model, optimizer, input size and random data, with
 one CPU thread:
 
-* ours: `timm_ext.probe_train.probe_train_batch` as tune_batch.py runs it (headroom 10%, --select max, the default
-  grid of the device), and today's search for the trial count it must not exceed (grow x2 from 2, then bisect on the
-  decay grid, the same trial and headroom, no aiming).
+* ours: `timm_ext.probe_train.probe_train_batch` as tune_batch.py runs it (`--headroom`, default 10% as there;
+  --select max; the device's default grid; a warm-up and tune_batch's 3 timed updates per trial), and today's search
+  for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and
+  headroom, no aiming).
 * lightning-binsearch / lightning-power: `Tuner.scale_batch_size` (init 2, 3 steps per trial, 25 trials, its 5%
   margin) on a LightningModule around the same timm model.
 * accelerate: `find_executable_batch_size` from `--accelerate-start` around 3 training steps (x0.9 on each OOM).
@@ -49,7 +50,7 @@ CONFIGS = {
     'test_convnext-64': ('test_convnext', 64, 'sgd', '128MiB'),
 }
 NUM_CLASSES = 10
-HEADROOM = 0.1  # tune_batch.py's default --mem-headroom
+DEFAULT_HEADROOM = 0.1  # tune_batch.py's default --mem-headroom
 PEER_METHODS = ('lightning-binsearch', 'lightning-power', 'accelerate')
 METHODS = ('ours', 'today') + PEER_METHODS
 
@@ -64,22 +65,24 @@ def train_flags(config: str) -> list:
 
 # ---- workers: each runs in a fresh process and prints one JSON line
 
-def worker_ours(config: str, aim: bool) -> dict:
+def worker_ours(config: str, aim: bool, headroom: float) -> dict:
     """Our probe (aim) or today's grow-then-bisect on the decay grid (no aim), same trial and headroom."""
     from bench_probe import capped_trial, setup_trial
     from timm_ext.memory import memory_cap, parse_budget
     from timm_ext.probe import DecayGrid, headroom_accept, search_batch_size, select_batch_size
     from timm_ext.probe_train import probe_train_batch
+    from tune_batch import TIMED_STEPS
     setup = setup_trial(train_flags(config))
     budget = parse_budget(CONFIGS[config][3])
     start = time.perf_counter()
     if aim:
-        trials = probe_train_batch(setup, budget, headroom=HEADROOM, select='max', start=2).trials
+        trials = probe_train_batch(setup, budget, headroom=headroom, select='max', start=2,
+                                   timed_steps=TIMED_STEPS).trials
     else:
         budget_bytes = budget.resolve(setup.device)
         with memory_cap(setup.device, budget_bytes) as cap:
-            trials = search_batch_size(capped_trial(setup, cap), 2, grid=DecayGrid(),
-                                       accept=headroom_accept(budget_bytes, HEADROOM))
+            trials = search_batch_size(capped_trial(setup, cap, TIMED_STEPS), 2, grid=DecayGrid(),
+                                       accept=headroom_accept(budget_bytes, headroom))
     seconds = time.perf_counter() - start
     return {'found': select_batch_size(trials).batch_size, 'trials': len(trials), 'seconds': seconds,
             'sizes': [t.batch_size for t in trials]}
@@ -209,8 +212,8 @@ def run_fresh(argv: list, timeout: float) -> dict:
     return {'crashed': f'{how}: {tail}', 'wall_s': time.perf_counter() - began}
 
 
-def ours(config: str, aim: bool, timeout: float) -> dict:
-    return run_fresh([sys.executable, __file__, '--worker', json.dumps(['ours', config, aim])], timeout)
+def ours(config: str, aim: bool, headroom: float, timeout: float) -> dict:
+    return run_fresh([sys.executable, __file__, '--worker', json.dumps(['ours', config, aim, headroom])], timeout)
 
 
 def peer(config: str, method: str, opts) -> dict:
@@ -265,6 +268,8 @@ def main():
                         help='python of the separate venv that has lightning and accelerate')
     parser.add_argument('--accelerate-start', type=int, default=1024, metavar='N',
                         help="Accelerate's starting_batch_size (its default is 128)")
+    parser.add_argument('--headroom', type=float, default=DEFAULT_HEADROOM, metavar='FRAC',
+                        help="our probe's --mem-headroom (and today's search's), judged on measured peaks")
     parser.add_argument('--updates', type=int, default=10, help='real updates a found batch must survive')
     parser.add_argument('--survival-runs', type=int, default=2, help='fresh processes checking each found batch')
     parser.add_argument('--oracle-hint', type=int, default=None, metavar='N',
@@ -293,14 +298,14 @@ def main():
     print(f'== {config}: {CONFIGS[config]}', flush=True)
     rows = {}
     for method in methods:
-        res = ours(config, method == 'ours', opts.timeout) if method in ('ours', 'today') else \
+        res = ours(config, method == 'ours', opts.headroom, opts.timeout) if method in ('ours', 'today') else \
             peer(config, method, opts)
         if 'found' in res and res['found']:
             res['survival'] = [holds(config, res['found'], opts.updates, opts.timeout)
                                for _ in range(opts.survival_runs)]
         rows[method] = res
         print(f'   {method}: {json.dumps(res)}', flush=True)
-    report = {'config': config, 'setup': CONFIGS[config], 'headroom_ours': HEADROOM, 'updates': opts.updates,
+    report = {'config': config, 'setup': CONFIGS[config], 'headroom_ours': opts.headroom, 'updates': opts.updates,
               'methods': rows}
     if not opts.no_oracle:
         hint = opts.oracle_hint or rows.get('ours', {}).get('found') or 64

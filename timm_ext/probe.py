@@ -270,7 +270,7 @@ def _next_size(bounds: _Bounds, model: Optional['PeakModel'], bisect: bool, surp
     if bounds.fail is not None and bounds.fit >= (1 - tolerance) * bounds.fail:
         return None, False
     if bounds.fail is None:
-        return _grow(bounds, model, surprise)
+        return _grow(bounds, model, surprise, tolerance)
     candidates = bounds.candidates()
     if not candidates:
         return None, False
@@ -280,18 +280,20 @@ def _next_size(bounds: _Bounds, model: Optional['PeakModel'], bisect: bool, surp
     return max(aim, candidates[0]), True
 
 
-def _grow(bounds: _Bounds, model: Optional['PeakModel'], surprise: int) -> Tuple[int, bool]:
+def _grow(bounds: _Bounds, model: Optional['PeakModel'], surprise: int, tolerance: float) -> Tuple[int, bool]:
     """The next size above the largest fit while nothing above it has failed: the model's aim, else double it.
 
-    When the model puts the limit at the largest fit, the next grid size checks it; after a check that fit anyway
-    (`surprise`: what it gained), the next check goes twice as far, so a pessimistic model costs log, not linear, steps.
+    When the model puts the limit at the largest fit, a check goes as far above it as the settle `tolerance` allows
+    (at least the next grid size), so a failure there ends the search; after a check that fit anyway (`surprise`:
+    what it gained), the next goes twice as far, so a pessimistic model costs log, not linear, steps.
     """
     fit = bounds.fit
     aim = None if model is None else model.aim(bounds.grid)
     if aim is None or (model.one_point and aim < 2 * fit):
         size, aimed = fit * 2, False  # no model, or one point (a lower bound of the limit) that says less than x2
     elif aim <= fit:
-        size, aimed = max(bounds.grid.above(fit), bounds.grid.snap(fit + 2 * surprise)), True
+        reach = math.floor(fit / (1 - tolerance)) if tolerance else fit
+        size, aimed = max(bounds.grid.above(fit), bounds.grid.snap(max(reach, fit + 2 * surprise))), True
     else:  # a line fitted to small sizes extrapolates badly: at most twice the origin line's lower bound
         size, aimed = min(aim, max(2 * fit, 2 * model.lower_bound(fit)), fit * MAX_GROWTH), True
     return (size if bounds.upper is None else min(size, bounds.upper)), aimed
