@@ -327,7 +327,7 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     speed = outcome.selection.trial.samples_per_s or 0.0
     run_s = args.epochs * train_samples / speed if speed else math.inf
     estimate_micro = min(plan.micro_batch, ESTIMATE_MICRO_BATCH)
-    per_trial_s = trial_s / (len(outcome.trials) + 1)  # the probe's uncapped first step counts as a trial
+    per_trial_s = trial_s / max(1, len(outcome.trials))
     # the estimate's small micro-batches run slower than the recipe's: count them at half its speed
     cost_s = SEARCH_TRIALS * per_trial_s + 2 * estimate_samples(estimate_micro, world_size) / max(speed, 1e-9)
     if not one_batch:
@@ -474,10 +474,11 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
         atomic_text(tuned_config_text(values, report + ['', 'Train with: ' + shell_line(command)]), config_path)
         print(f'Config: {config_path}')
-        plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
-                                tuned.plan.micro_batch, tuned.choice)
-        if plot:
-            print(f'Plot: {plot}')
+        if worth_a_plot(tuned):
+            plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
+                                    tuned.plan.micro_batch, tuned.choice)
+            if plot:
+                print(f'Plot: {plot}')
         print(f'Train command: {shell_line(command)}', flush=True)
     multi_node = topology is not None and topology.multi_node
     if multi_node and primary:
@@ -496,6 +497,13 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     if args.torchcompile:
         torch._dynamo.reset()  # the probe's compiled graphs would count toward the recompile limit of the same code
     return load_train_script().main(command[2:])
+
+
+def worth_a_plot(tuned: TunedRun) -> bool:
+    """A picture only where there is a curve to see: several trials that fit, or several global batches judged (one
+    trial of the recipe's batch is one point, and drawing it would cost a short run more than it shows)."""
+    fits = {t.batch_size for t in tuned.outcome.trials if t.fits}
+    return len(fits) > 1 or (tuned.choice is not None and len(tuned.choice.candidates) > 1)
 
 
 def load_train_script():

@@ -48,6 +48,7 @@ def test_tune_batch_select_critical_reports_the_estimate_and_the_candidates(tmp_
     if global_batch != 8:  # a bigger batch may only come with a longer run
         assert values['epochs'] > 300 and 'Schedule lengthened' in out
     assert 'Tuning cost' in out
+    assert (tmp_path / 'tuned.png').read_bytes()[:4] == b'\x89PNG', 'several trials and candidates: a plot'
     assert not (tmp_path / 'output' / 'train').exists(), '--dry-run must not train'
 
 

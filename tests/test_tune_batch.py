@@ -211,7 +211,8 @@ def test_non_oom_failure_stops_without_retries(tmp_path, image_folder):
     assert result.returncode == 1
     line = one_line_error(result)
     assert 'ValueError' in line and 'Expected more than 1 value per channel' in line
-    assert not trial_lines(result.stdout)
+    lines = trial_lines(result.stdout)
+    assert len(lines) == 1 and ': error ValueError' in lines[0], 'the failed size is not retried, nor a smaller one'
 
 
 def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_folder):
@@ -306,6 +307,7 @@ def test_without_a_set_batch_a_short_run_keeps_stock_default_and_warns(tmp_path)
     out = report_of(tune(tmp_path, data, '--epochs', '2', '--tuned-config', config, '--dry-run'))
     assert "stock train.py's default -b 128" in out and 'too short for tuning to pay off' in out
     assert planned(config) == (128, 1) and len(trial_lines(out)) == 1
+    assert 'Plot:' not in out and not (tmp_path / 't.png').exists(), 'one trial is one point: no plot'
     warning = next(line for line in out.splitlines() if line.startswith('Warning:'))
     assert 'only 2 optimizer updates' in warning and '-b/--batch-size' in warning
 

@@ -262,11 +262,16 @@ def probe_train_batch(
     context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
     # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.run_forked`)
     isolate = device.type == 'cpu'
-    # One uncapped, unrecorded update first, so that a step that fails without any cap is reported as the run's
-    # own failure (and on CUDA, kernels and library workspaces are set up before the first measured trial).
-    warm = agree_across_ranks(measured_trial(setup.step, device, before=setup.reset, isolate=isolate))(min(start, 2))
-    if warm.status == ERROR:
-        raise TrialError(f'a training step fails before any memory cap ({context}): {warm.error}', [warm])
+    uncapped = agree_across_ranks(measured_trial(setup.step, device, before=setup.reset, isolate=isolate))
+
+    def fail_if_broken_without_cap() -> None:
+        # a step that fails without any cap is the run's own failure, not an out-of-memory
+        check = uncapped(min(start, 2))
+        if check.status == ERROR:
+            raise TrialError(f'a training step fails before any memory cap ({context}): {check.error}', [check])
+
+    if not isolate:
+        fail_if_broken_without_cap()  # on CUDA this first update also sets up kernels and library workspaces
     with memory_cap(device, budget_bytes) as cap:
         trial: TrialFn = measured_trial(
             setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
@@ -279,6 +284,9 @@ def probe_train_batch(
                                    peak_limit=accept.limit)
         if select == 'throughput':
             trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
+    if isolate and not any(t.accepted for t in trials):
+        # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
+        fail_if_broken_without_cap()
     selection = select_batch_size(trials, select, throughput_tol, context)
     # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
     chosen = _smallest_over_ranks(selection.batch_size, device)
