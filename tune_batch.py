@@ -339,14 +339,11 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
                      f'{MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
         return TunedRun(outcome, plan, lines=lines)
 
-    searched = request.run('max', max_batch, start=plan.micro_batch)
     if args.rank == 0:
         print(f'Noise scale: {ESTIMATE_WINDOWS} windows of {ESTIMATE_ACCUM} x {estimate_micro} on the real data.',
               flush=True)
     noise = measure_noise_scale(args, request.device, estimate_micro)
-    multiple = batch_multiple(args)
-    speeds = {m: s for m, s in speeds_by_micro_batch(searched.trials).items() if m % multiple == 0}
-    speeds.setdefault(plan.micro_batch, speed)
+    searched, speeds = time_bigger_batches(request, outcome, plan.micro_batch, speed, max_batch, noise)
     choice = choose_global_batch((plan.micro_batch, plan.accum_steps), speeds, world_size, train_samples,
                                  args.epochs, noise)
     chosen = choice.chosen
@@ -358,6 +355,31 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
               f'Tuning cost {spent:.1f} s, {spent / max(chosen.predicted_s, 1e-9):.1%} of the predicted run.']
     schedule = scaled_schedule(vars(args), args.epochs, chosen.epochs)
     return TunedRun(searched, plan, schedule, lines, noise, choice)
+
+
+def time_bigger_batches(request: ProbeRequest, recipe: ProbeOutcome, micro_batch: int, speed: float,
+                        max_batch: int, noise: NoiseEstimate) -> Tuple[ProbeOutcome, Dict[int, float]]:
+    """Samples/s of the micro-batches a bigger global batch could use: doublings of the recipe's, up to the top of
+    the B_noise range (beyond it `batch_choice` would refuse them anyway) and what fits, one trial each.
+
+    Returns:
+        The recipe's probe outcome with every trial added (for the report), and the measured samples/s per
+        micro-batch (the recipe's included).
+    """
+    speeds = {micro_batch: speed}
+    trials = list(recipe.trials)
+    multiple = batch_multiple(request.args)
+    size = micro_batch * 2
+    limit = min(max_batch, int(noise.high / request.world_size) if noise.found and math.isfinite(noise.high) else 0)
+    while size <= limit:
+        outcome = request.run('max', size, start=size)  # one trial when it fits, a probe down when not
+        trials += outcome.trials
+        speeds.update({m: s for m, s in speeds_by_micro_batch(outcome.trials).items() if m % multiple == 0})
+        if outcome.selection.batch_size < size:
+            break  # the memory limit: nothing bigger fits
+        size *= 2
+    selection = dataclasses.replace(recipe.selection, trials=trials)
+    return dataclasses.replace(recipe, selection=selection), speeds
 
 
 def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str], device: torch.device,

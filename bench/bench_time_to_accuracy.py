@@ -111,7 +111,7 @@ def main() -> None:
                     continue
                 got = run([python, str(REPO / 'train.py'), *recipe, '-b', str(global_batch)], work / 'runs',
                           f'sweep-{name}-{model}-{global_batch}', env)
-                entry['sweep'].append({'global_batch': global_batch, 'epochs': epochs, **got})
+                entry['sweep'].append({**got, 'global_batch': global_batch, 'epochs': epochs})
                 print(f'{name:12s} {model:11s} sweep -b {global_batch:4d}: {got["wall_s"]:6.1f} s '
                       f'{got["top1"]:5.1f}%', flush=True)
             results.append(entry)
