@@ -13,7 +13,7 @@ survives out-of-memory errors with the same updates (smaller micro-batches, more
     python train.py --data-dir /data/imagenet --model resnet50 -b 128 --amp
     ./distributed_train.sh 8 -c recipe.yaml
 
-The script wires timm and `timm_ext` together; the loop is `timm_ext.train_loop.TrainLoop`.
+The script wires timm and `timm_ext` together; the loop is `timm_ext.train.loop.TrainLoop`.
 """
 import argparse
 import dataclasses
@@ -31,13 +31,13 @@ from timm import utils
 from timm.layers import set_fast_norm
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
-from timm_ext import checkpoint as ckpt
+from timm_ext.train import checkpoint as ckpt
 from timm_ext.accum import accumulation_windows
-from timm_ext.arg_checks import loss_weighting
+from timm_ext.train.input_checks import loss_weighting
 from timm_ext.atomic_files import append_csv_row, atomic_text, remove_stale_tmp_files
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import init_device, lost_peer
-from timm_ext.elastic import (
+from timm_ext.train.elastic import (
     ElasticResume, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume,
     resume_updates, tune_hint,
 )
@@ -45,12 +45,12 @@ from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology
 from timm_ext.lr import default_lr_scale
 from timm_ext.memory import device_name
-from timm_ext.noise_monitor import write_noise_scale_row
-from timm_ext.stop_signal import StopOnSignal, TrainingStopped
-from timm_ext.train_args import args_to_yaml, build_parser, given_dests, parse_args
-from timm_ext.train_loop import LoopConfig, TrainLoop
-from timm_ext.train_setup import check_arg_combinations, check_inputs, disable_mixup, experiment_name
-from timm_ext.train_stack import build_training_stack
+from timm_ext.train.noise_monitor import write_noise_scale_row
+from timm_ext.train.stop_signal import StopOnSignal, TrainingStopped
+from timm_ext.train.args import args_to_yaml, build_parser, given_dests, parse_args
+from timm_ext.train.loop import LoopConfig, TrainLoop
+from timm_ext.train.setup import check_arg_combinations, check_inputs, disable_mixup, experiment_name
+from timm_ext.train.stack import build_training_stack
 
 try:
     import wandb

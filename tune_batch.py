@@ -5,19 +5,19 @@
     python tune_batch.py -c recipe.yaml --target-global-batch 4096 --nproc 8 --dry-run
 
 Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
-largest micro-batch under the memory budget with real training steps (`timm_ext.probe_train`), plan accumulation
-for the wanted global batch and the LR (`timm_ext.tune_plan`), write a YAML config that train.py (ours or stock)
+largest micro-batch under the memory budget with real training steps (`timm_ext.probe.trial`), plan accumulation
+for the wanted global batch and the LR (`timm_ext.tune.plan`), write a YAML config that train.py (ours or stock)
 reads with `-c`, print a report and the train command, then train unless `--dry-run`: in this process, once
 everything the probe built is released (the imports are paid once; the probe's model, optimizer and allocator cache
 are gone). With `--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest),
-and once they have exited this process becomes distributed_train.sh (`timm_ext.handover`). Started by torchrun
+and once they have exited this process becomes distributed_train.sh (`timm_ext.tune.handover`). Started by torchrun
 itself (several nodes, say), it probes and plans on every rank and prints the train command with the topology it was
 started under (`timm_ext.launch`), for each node to run.
 
 The global batch is an optimisation choice, not a memory one (`--select auto`, the default): a global batch the
 recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a bigger one is chosen only when the
-run is long enough to pay for measuring the gradient noise scale (`timm_ext.critical_batch`) and the bigger batch is
-predicted to reach the recipe's result clearly sooner, the run lengthened to match (`timm_ext.batch_choice`).
+run is long enough to pay for measuring the gradient noise scale (`timm_ext.tune.critical_batch`) and the bigger batch is
+predicted to reach the recipe's result clearly sooner, the run lengthened to match (`timm_ext.tune.batch_choice`).
 
 The evaluation between epochs keeps no activations for a backward pass, so several times the training micro-batch
 fits: when the run evaluates long enough for a few forward-only trials to pay (`plan_eval_batch`), they find the
@@ -43,37 +43,37 @@ from timm import utils
 from timm.models import safe_model_name
 
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
-from timm_ext.batch_choice import (
+from timm_ext.tune.batch_choice import (
     MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
     scaled_schedule, speeds_by_micro_batch, tuning_pays, updates_per_epoch,
 )
 from timm_ext.atomic_files import atomic_text
-from timm_ext.critical_batch import (
+from timm_ext.tune.critical_batch import (
     ESTIMATE_ACCUM, ESTIMATE_MICRO_BATCH, ESTIMATE_WINDOWS, estimate_samples, measure_noise_scale,
 )
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.errors import TimmExtError, report
-from timm_ext.handover import exec_training
+from timm_ext.tune.handover import exec_training
 from timm_ext.launch import current_topology
 from timm_ext.memory import (
     MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory,
 )
-from timm_ext.probe import (
+from timm_ext.probe.search import (
     SELECT_MODES, BatchGrid, NothingFitsError, default_grid, die_with_parent, format_table, format_trial,
     select_batch_size, trials_to_json,
 )
-from timm_ext.probe_cache import ProbeCache, probe_key
-from timm_ext.probe_train import (
+from timm_ext.probe.cache import ProbeCache, probe_key
+from timm_ext.probe.trial import (
     ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch,
 )
-from timm_ext.train_args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
-from timm_ext.train_setup import SetupError, batch_multiple, build_datasets, check_arg_combinations, check_inputs
-from timm_ext.tune_plan import (
+from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
+from timm_ext.train.setup import SetupError, batch_multiple, build_datasets, check_arg_combinations, check_inputs
+from timm_ext.tune.plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
     tuned_config_text,
 )
-from timm_ext.tune_plot import write_probe_plot
+from timm_ext.tune.plot import write_probe_plot
 
 _logger = logging.getLogger('tune_batch')
 

@@ -16,11 +16,11 @@ from timm.utils import setup_default_logging
 
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.memory import free_memory
-from timm_ext.results import write_results
-from timm_ext.validate_args import parse_validate_args
-from timm_ext.validate_jobs import JobsError, resolve_jobs
-from timm_ext.validation import ValidationError, resolve_device, validate_model
-from timm_ext.weights import one_line
+from timm_ext.validate.results import write_results
+from timm_ext.validate.args import parse_validate_args
+from timm_ext.validate.jobs import JobsError, resolve_jobs
+from timm_ext.validate.evaluate import ValidationError, resolve_device, validate_model
+from timm_ext.validate.weights import one_line
 
 _logger = logging.getLogger('validate')
 

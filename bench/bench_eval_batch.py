@@ -2,8 +2,8 @@
 """train.py's evaluation at the training micro-batch (stock: no --validation-batch-size) against the eval batch
 tune_batch.py writes (`validation_batch_size`), in one process on the same model, split and loader settings.
 
-The stack is train.py's own (`timm_ext.train_stack.build_training_stack` from train.py's parser), the evaluation
-`TrainLoop.evaluate`, the eval loaders `timm_ext.train_setup.build_eval_loader` with and without the tuned size.
+The stack is train.py's own (`timm_ext.train.stack.build_training_stack` from train.py's parser), the evaluation
+`TrainLoop.evaluate`, the eval loaders `timm_ext.train.setup.build_eval_loader` with and without the tuned size.
 Rounds alternate the two (after one warm-up pass each), so a slow phase of a shared machine hits both; the result
 is the median of the per-round time ratios, and both passes must give the same top-1 / top-5 (loss within 1e-6).
 
@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from common import sync, write_result  # noqa: E402  (bench/common.py)
 from timm_ext.distributed import init_device  # noqa: E402
 from timm_ext.synthetic_data import SHAPES, make_image_folder  # noqa: E402
-from timm_ext.train_args import parse_args  # noqa: E402
-from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
-from timm_ext.train_setup import build_eval_loader  # noqa: E402
-from timm_ext.train_stack import build_training_stack  # noqa: E402
+from timm_ext.train.args import parse_args  # noqa: E402
+from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
+from timm_ext.train.setup import build_eval_loader  # noqa: E402
+from timm_ext.train.stack import build_training_stack  # noqa: E402
 
 
 def bench_parser() -> argparse.ArgumentParser:

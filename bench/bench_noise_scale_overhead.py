@@ -24,7 +24,7 @@ from timm.task import ClassificationTask
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
-from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
+from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
 from common import loop_bench_parser, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
 

@@ -5,7 +5,7 @@ Every method runs in its own fresh process under the same real memory cap (RLIMI
 segment after the model is built, plus the budget), on the same model, optimizer, input size and random data, with
 one CPU thread:
 
-* ours: `timm_ext.probe_train.probe_train_batch` as tune_batch.py runs it (`--headroom`, default 10% as there;
+* ours: `timm_ext.probe.trial.probe_train_batch` as tune_batch.py runs it (`--headroom`, default 10% as there;
   --select max; the device's default grid; a warm-up and tune_batch's 3 timed updates per trial), and today's search
   for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and
   headroom, no aiming).
@@ -69,8 +69,8 @@ def worker_ours(config: str, aim: bool, headroom: float) -> dict:
     """Our probe (aim) or today's grow-then-bisect on the decay grid (no aim), same trial and headroom."""
     from bench_probe import capped_trial, setup_trial
     from timm_ext.memory import memory_cap, parse_budget
-    from timm_ext.probe import DecayGrid, headroom_accept, search_batch_size, select_batch_size
-    from timm_ext.probe_train import probe_train_batch
+    from timm_ext.probe.search import DecayGrid, headroom_accept, search_batch_size, select_batch_size
+    from timm_ext.probe.trial import probe_train_batch
     from tune_batch import TIMED_STEPS
     setup = setup_trial(train_flags(config))
     budget = parse_budget(CONFIGS[config][3])

@@ -3,7 +3,7 @@
 
 Both loops train the same model on the same synthetic batches (already on the device): the reference does
 `zero_grad(); loss = criterion(model(x), y); loss.backward(); optimizer.step()` per update, accumulating
-`--accum` micro-batches when asked; ours runs `timm_ext.train_loop.TrainLoop.train_one_epoch` (timm task, loss
+`--accum` micro-batches when asked; ours runs `timm_ext.train.loop.TrainLoop.train_one_epoch` (timm task, loss
 weighting, no_sync bookkeeping, EMA/scheduler hooks, logging at its interval). Epochs of the two alternate, so
 drift of the machine hits both; the median of the back-to-back pair ratios is reported.
 
@@ -24,7 +24,7 @@ from timm.task import ClassificationTask
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
-from timm_ext.train_loop import LoopConfig, TrainLoop  # noqa: E402
+from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
 from common import loop_bench_parser, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
 

@@ -122,7 +122,7 @@ def main():
         torch.save({'arch': args.model, 'state_dict': create_model(args.model, num_classes=4).state_dict()},
                    checkpoint)
         footprint = subprocess.run(
-            [sys.executable, '-c', 'import torch, timm, timm_ext.validation, sys; sys.path.insert(0, "bench"); '
+            [sys.executable, '-c', 'import torch, timm, timm_ext.validate.evaluate, sys; sys.path.insert(0, "bench"); '
                                    'from bench_validate_retry import vm_data; print(vm_data())'],
             capture_output=True, text=True, env=env, cwd=REPO, check=True)
         cap = int(footprint.stdout.strip()) + args.budget_mib * 2 ** 20

@@ -16,13 +16,13 @@ import yaml
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.arg_checks import (
-    TRAIN_DOMAINS, TUNE_DOMAINS, VALIDATE_DOMAINS, folder_problem, numeric_dests, split_problem, train_input_problem,
-    writable_file_problem,
+    TRAIN_DOMAINS, TUNE_DOMAINS, folder_problem, numeric_dests, split_problem, writable_file_problem,
 )
 from timm_ext.atomic_files import atomic_torch_save
-from timm_ext.train_args import build_parser, parse_args
-from timm_ext.train_setup import SetupError, UsageError, build_datasets, check_arg_combinations
-from timm_ext.validate_args import build_validate_parser, parse_validate_args
+from timm_ext.train.args import build_parser, parse_args
+from timm_ext.train.input_checks import train_input_problem
+from timm_ext.train.setup import SetupError, UsageError, build_datasets, check_arg_combinations
+from timm_ext.validate.args import VALIDATE_DOMAINS, build_validate_parser, parse_validate_args
 
 
 def _tune_module():

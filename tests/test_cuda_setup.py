@@ -15,11 +15,11 @@ import torch
 
 from conftest import REPO_ROOT
 from timm_ext import amp as amp_mod
-from timm_ext import critical_batch
+from timm_ext.tune import critical_batch
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, init_device
-from timm_ext.train_args import parse_args
-from timm_ext.validation import ValidationError, resolve_device
+from timm_ext.train.args import parse_args
+from timm_ext.validate.evaluate import ValidationError, resolve_device
 
 
 def load_script(name: str):

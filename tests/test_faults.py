@@ -14,9 +14,9 @@ from typing import Iterator
 import pytest
 
 from conftest import REPO_ROOT, run_script
-from timm_ext.checkpoint import load_training_checkpoint
-from timm_ext.probe import FIT, Trial
-from timm_ext.probe_cache import ProbeCache
+from timm_ext.train.checkpoint import load_training_checkpoint
+from timm_ext.probe.search import FIT, Trial
+from timm_ext.probe.cache import ProbeCache
 from timm_ext.synthetic_data import make_image_folder
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='the faults are made with Linux tools')
@@ -210,8 +210,8 @@ def test_damaged_cache_file_is_a_warning_and_a_miss(tmp_path, caplog, damage):
 
 WRITER = """
 import sys
-from timm_ext.probe import FIT, Trial
-from timm_ext.probe_cache import ProbeCache
+from timm_ext.probe.search import FIT, Trial
+from timm_ext.probe.cache import ProbeCache
 cache, n = ProbeCache(sys.argv[1]), int(sys.argv[2])
 for i in range(100):
     cache.put({'model': 'test_resnet', 'budget': 1}, [Trial(n, FIT, peak_bytes=i, error='x' * 5000)] * 50)

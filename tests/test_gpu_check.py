@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
-from timm_ext.train_args import parse_args
-from timm_ext.validate_args import parse_validate_args
+from timm_ext.train.args import parse_args
+from timm_ext.validate.args import parse_validate_args
 
 SCRIPT = REPO_ROOT / 'bench' / 'gpu_check.sh'
 

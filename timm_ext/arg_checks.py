@@ -10,9 +10,9 @@ the command line or from a config file::
 The domains keep every value stock timm accepts and does something sensible with (`--aug-splits 0` is off,
 `--mean 0.5` is broadcast to every channel, `--seed 0` seeds); they refuse what stock crashes on later (a
 traceback deep in the model, the loader or the scheduler) or silently trains on (a NaN learning rate, a clipping
-threshold of 0, a mixup probability of 3). Checks of file and folder inputs live here too (`train_input_problem`,
-`writable_file_problem`), and flag combinations of our extensions (`extension_problem`), so train.py and
-tune_batch.py refuse the same things before any work starts.
+threshold of 0, a mixup probability of 3). The checks of file and folder inputs shared by the scripts live here too (`folder_problem`,
+`writable_file_problem`, `split_problem`); what only training refuses is in `timm_ext.train.input_checks`, and
+validate.py's table in `timm_ext.validate.args`.
 """
 import argparse
 import math
@@ -23,12 +23,10 @@ from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 from PIL import Image
 
 from .amp import AMP_DTYPES, MODEL_DTYPES
-from .results import RESULT_FORMATS
 
 __all__ = [
-    'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'VALIDATE_DOMAINS',
-    'check_values', 'extension_problem', 'flag_defaults', 'flag_names', 'folder_problem', 'loss_weighting',
-    'numeric_dests', 'split_problem', 'train_input_problem', 'writable_file_problem',
+    'COMMON_DOMAINS', 'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'check_values',
+    'flag_defaults', 'flag_names', 'folder_problem', 'numeric_dests', 'split_problem', 'writable_file_problem',
 ]
 
 Count = Union[int, Tuple[int, int], None]
@@ -387,16 +385,6 @@ TUNE_DOMAINS: Mapping[str, Domain] = {
     'nproc': POSITIVE_INT,
 }
 
-VALIDATE_DOMAINS: Mapping[str, Domain] = {
-    **COMMON_DOMAINS,
-    'num_samples': POSITIVE_INT,
-    'crop_mode': Names(('center', 'squash', 'border')),
-    'crop_border_pixels': NON_NEGATIVE_INT,
-    'log_freq': POSITIVE_INT,
-    'num_gpu': POSITIVE_INT,
-    'results_format': Names(RESULT_FORMATS),
-}
-
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     """How each dest is written in messages: its option strings joined by '/' ('-b/--batch-size')."""
@@ -435,32 +423,6 @@ def check_values(args: argparse.Namespace, domains: Mapping[str, Domain], flags:
 
 
 # ---- combinations and inputs that are files or folders ------------------------------------------------------------
-
-def loss_weighting(args: argparse.Namespace) -> str:
-    """Micro-batch loss weighting: a true per-sample mean, unless a variable-batch loader asks for timm's modes."""
-    if args.naflex_loader:
-        return args.naflex_loss_scale or 'none'
-    if args.train_img_sizes is not None:
-        return args.variable_batch_loss_scale or 'none'
-    return 'samples'
-
-
-def extension_problem(args: argparse.Namespace, world_size: int) -> Optional[str]:
-    """Why flags of the OOM recovery or noise scale cannot work with the rest of the command line, or None."""
-    from .noise_monitor import noise_scale_problem
-    from .oom_recovery import sync_bn_problem
-    if args.oom_grow_back is not None and not args.oom_recover:
-        return '--oom-grow-back only acts after --oom-recover has shrunk the micro-batch; add --oom-recover'
-    if args.oom_recover and args.aug_splits > 1:
-        return ('--oom-recover cannot split batches of --aug-splits (the loss ties the augmented copies of each '
-                'sample together); drop one of them')
-    problem = sync_bn_problem(args.oom_recover, args.sync_bn, world_size)
-    if problem:
-        return problem
-    if args.log_noise_scale:
-        return noise_scale_problem(args.grad_accum_steps, world_size, loss_weighting(args))
-    return None
-
 
 def _nearest_existing(path: str) -> str:
     """`path` itself if it exists, else its closest existing ancestor."""
@@ -519,42 +481,6 @@ def split_problem(flag: str, root: str, split: str, hint: str = '') -> Optional[
     if splits:
         return (f'{flag} {split!r}: no such folder in {root} (it has {", ".join(s + "/" for s in splits)}); '
                 f'timm would read those split folders as classes{hint}')
-    return None
-
-
-def _resume_problem(args: argparse.Namespace) -> Optional[str]:
-    from .checkpoint import CheckpointError, load_training_checkpoint
-    try:
-        checkpoint = load_training_checkpoint(args.resume)
-    except CheckpointError as e:
-        return str(e)
-    arch = checkpoint.get('arch')
-    if isinstance(arch, str) and arch.split('.', 1)[0] != str(args.model).split('.', 1)[0]:
-        return f'--resume {args.resume} is a checkpoint of {arch!r}, not of --model {args.model!r}'
-    return None
-
-
-def train_input_problem(args: argparse.Namespace) -> Optional[str]:
-    """Why the files and folders train.py reads or writes cannot be used, or None (checked before any work)."""
-    for flag, path in (('--initial-checkpoint', args.initial_checkpoint), ('--pretrained-path', args.pretrained_path),
-                       ('--class-map', args.class_map)):
-        if path and not os.path.isfile(path):
-            return f'{flag} file not found: {path}'
-    output = args.output or os.path.join('output', 'train')
-    problem = folder_problem('--output', output)
-    if not problem and args.experiment:  # the run folder itself, when its name is known now
-        problem = folder_problem('--output/--experiment', os.path.join(output, args.experiment))
-    if problem:
-        return problem
-    root = args.data_dir or args.data
-    if root and '/' not in args.dataset:  # a folder dataset: timm resolves the splits under the root
-        for flag, split, hint in (('--train-split', args.train_split, ''),
-                                  ('--val-split', args.val_split, "; pass --val-split '' to train without one")):
-            problem = split_problem(flag, root, split, hint)
-            if problem:
-                return problem
-    if args.resume:
-        return _resume_problem(args)
     return None
 
 

@@ -2,7 +2,7 @@
 
 A process killed at any moment leaves each file written this way absent, the previous complete version, or the new
 complete version; a full disk is one `DiskFullError` naming the folder and the bytes needed, and the file keeps its
-previous content. Checkpoints (`timm_ext.checkpoint`), results files, the probe cache and the tuned config all
+previous content. Checkpoints (`timm_ext.train.checkpoint`), results files, the probe cache and the tuned config all
 write through here.
 """
 import csv

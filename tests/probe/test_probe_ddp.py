@@ -1,0 +1,106 @@
+"""The probe under torchrun (2 processes, gloo on CPU): ranks agree on every trial and on the final batch; under a
+2-node torchrun tune_batch.py prints the 2-node train command."""
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from conftest import REPO_ROOT, run_script
+from timm_ext.launch import topology_from_env, topology_from_torchrun_argv
+
+pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
+
+
+def torchrun(*argv, cwd, timeout=300, env=None):
+    full_env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT), **(env or {})}
+    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+
+
+def test_ranks_agree_when_one_rank_runs_out_alone(tmp_path):
+    report = tmp_path / 'probe'
+    result = torchrun(REPO_ROOT / 'tests' / 'probe' / 'probe_ddp_worker.py', report, '160MiB', '40MiB', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f'probe.{r}.json').read_text()) for r in (0, 1)]
+    assert ranks[0]['world_size'] == 2
+    assert ranks[0]['chosen'] == ranks[1]['chosen']
+    assert ranks[0]['trials'] == ranks[1]['trials'], 'every trial outcome is shared'
+    assert all(r['restored'] for r in ranks)
+    lone = [t for t in ranks[0]['trials'] if t['status'] == 'oom' and t['error'].startswith('rank 1:')]
+    assert lone, 'rank 1 (smaller budget) must be the one that ran out'
+    # the agreed choice is what the small budget allows: every larger size tried failed
+    chosen = ranks[0]['chosen']
+    assert all(t['status'] == 'oom' for t in ranks[0]['trials'] if t['batch_size'] > chosen)
+
+
+def test_tune_batch_nproc_probes_on_every_rank(tmp_path, image_folder):
+    config = tmp_path / 'tuned.yaml'
+    result = run_script('tune_batch.py', '--data-dir', image_folder, '--model', 'test_resnet', '--device', 'cpu',
+                        '--num-classes', '3', '--img-size', '32', '-j', '0', '--mem-budget', '48MiB', '--nproc', '2',
+                        '--target-global-batch', '16', '--tuned-config', config, '--dry-run', cwd=tmp_path,
+                        env={'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'distributed_train.sh 2 -c' in result.stdout
+    assert '2 rank(s): global batch 16' in result.stdout
+    text = config.read_text()
+    assert 'batch_size:' in text and 'grad_accum_steps:' in text
+
+
+def test_torchrun_topology_is_read_from_its_command_line_and_environment():
+    argv = [sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--nproc_per_node', '4', '--node_rank',
+            '1', '--rdzv_backend', 'c10d', '--rdzv_endpoint', 'head:29400', '--rdzv_id', 'job7', 'tune_batch.py', '-b',
+            '8']
+    topology = topology_from_torchrun_argv(argv)
+    assert topology.multi_node
+    assert topology.torchrun_options() == ['--nnodes=2', '--nproc-per-node=4', '--rdzv-backend=c10d',
+                                           '--rdzv-endpoint=head:29400', '--rdzv-id=job7']
+    static = topology_from_torchrun_argv(['/venv/bin/torchrun', '--nnodes=2', '--node-rank=1', '--master-addr=head',
+                                          '--master-port=1234', 'x.py'])
+    assert static.torchrun_options() == ['--nnodes=2', '--nproc-per-node=1', '--node-rank=1', '--master-addr=head',
+                                         '--master-port=1234']
+    assert not topology_from_torchrun_argv(argv[:3] + ['--standalone', '--nproc_per_node=2', 'x.py']).multi_node
+    assert topology_from_torchrun_argv([sys.executable, 'train.py']) is None
+    env = {'GROUP_WORLD_SIZE': '3', 'LOCAL_WORLD_SIZE': '2', 'GROUP_RANK': '2', 'MASTER_ADDR': 'head',
+           'MASTER_PORT': '29500'}
+    assert topology_from_env(env).torchrun_options() == ['--nnodes=3', '--nproc-per-node=2', '--node-rank=2',
+                                                         '--master-addr=head', '--master-port=29500']
+    assert topology_from_env({}) is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_tune_batch_under_a_two_node_torchrun_prints_the_two_node_train_command(tmp_path, image_folder):
+    endpoint = f'localhost:{free_port()}'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TIMM_EXT_CACHE_DIR': str(tmp_path / 'c')}
+    config = tmp_path / 'tuned.yaml'
+    nodes = [subprocess.Popen(
+        [sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--nproc_per_node', '1', '--node_rank',
+         str(node), '--rdzv_backend', 'c10d', '--rdzv_endpoint', endpoint, '--rdzv_id', 'tune15',
+         str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), '--model', 'test_resnet', '--device', 'cpu',
+         '--num-classes', '3', '--img-size', '32', '-j', '0', '--mem-budget', '48MiB', '--target-global-batch', '16',
+         '--tuned-config', str(config), '--dry-run'],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env) for node in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    text = '\n'.join(outputs)
+    assert '2 rank(s): global batch 16' in text and 'distributed_train.sh' not in text
+    commands = [line.split(': ', 1)[1] for line in text.splitlines()
+                if line.startswith(('Train command: ', 'Train command on this node: '))]
+    assert len(commands) == 2 and commands[0] == commands[1], commands  # each node prints its own, the same here
+    launched = shlex.split(commands[0])
+    assert launched[1:3] == ['-m', 'torch.distributed.run']
+    parsed = get_args_parser().parse_args(launched[3:])
+    assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id) == (
+        '2', '1', 'c10d', endpoint, 'tune15')
+    assert parsed.training_script == str(REPO_ROOT / 'train.py')
+    assert parsed.training_script_args == ['-c', str(config)]
+    assert f'Train with: {commands[0]}' in config.read_text()

@@ -1,0 +1,388 @@
+"""tune_batch.py: accumulation/LR planning, the YAML read back by train.py, dry-run report, cache, failures, and a
+short real tune -> train -> validate run. Probes run under real RLIMIT_DATA caps in subprocesses."""
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, parse_args
+from timm_ext.tune.plan import config_values, extension_flags, plan_run, tuned_config_text
+
+from conftest import REPO_ROOT, run_script
+from timm_ext.synthetic_data import make_image_folder
+
+pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
+
+# test_resnet at 32 px: a 48 MiB budget binds at a micro-batch of 16 on CPU, below the 24-image train split
+RUN = ['--model', 'test_resnet', '--device', 'cpu', '--num-classes', '3', '--img-size', '32', '-j', '0']
+BUDGET = ['--mem-budget', '48MiB']
+
+
+def train_namespace(*argv: str) -> argparse.Namespace:
+    args, _ = parse_args(list(argv))
+    return args
+
+
+# ---- planning (pure) ---------------------------------------------------------------------------------------------
+
+def test_plan_exact_global_batch_keeps_lr():
+    args = train_namespace('--lr', '0.4', '--opt', 'sgd')
+    plan = plan_run(args, max_micro_batch=20, world_size=2, target_global=96)
+    assert (plan.micro_batch, plan.accum_steps, plan.global_batch, plan.exact) == (16, 3, 96, True)
+    assert plan.lr == 0.4 and plan.lr_to_write == 0.4
+
+
+def test_plan_exact_global_batch_lr_from_base():
+    args = train_namespace('--opt', 'sgd', '--lr-base', '0.1', '--lr-base-size', '256')
+    plan = plan_run(args, max_micro_batch=64, world_size=1, target_global=512)
+    assert (plan.micro_batch, plan.accum_steps, plan.exact) == (64, 8, True)
+    assert plan.lr == pytest.approx(0.2) and plan.lr_to_write is None  # train.py computes the same itself
+    assert plan.lr_rule == 'linear'
+
+
+def test_plan_inexact_global_batch_rescales_given_lr():
+    args = train_namespace('--lr', '0.001', '--opt', 'adamw')  # sqrt rule for ada* optimizers
+    plan = plan_run(args, max_micro_batch=20, world_size=1, target_global=97)  # prime: no split with b >= 10
+    assert not plan.exact and plan.global_batch != 97
+    assert plan.lr == pytest.approx(0.001 * (plan.global_batch / 97) ** 0.5)
+    assert plan.lr_to_write == plan.lr and plan.lr_rule == 'sqrt'
+    assert 'rescaled by the sqrt rule' in plan.lr_reason
+
+
+def test_plan_inexact_global_batch_lr_from_base_follows_real_global():
+    args = train_namespace('--opt', 'sgd')
+    plan = plan_run(args, max_micro_batch=20, world_size=1, target_global=97)
+    assert plan.lr == pytest.approx(0.1 * plan.global_batch / 256)
+    assert 'instead of 97' in plan.lr_reason
+
+
+def test_plan_without_target_keeps_accumulation():
+    args = train_namespace('--grad-accum-steps', '3')
+    plan = plan_run(args, max_micro_batch=40, world_size=2)
+    assert (plan.micro_batch, plan.accum_steps, plan.global_batch, plan.exact) == (40, 3, 240, None)
+
+
+def test_config_holds_only_stock_keys_and_reads_back_identically(tmp_path):
+    parser = build_parser()
+    argv = ['--data-dir', '/data', '--model', 'test_vit', '--opt', 'adamw', '--model-ema', '--smoothing', '0.0',
+            '--input-size', '3', '48', '48', '--model-kwargs', 'depth=2', '--log-noise-scale']
+    args = train_namespace(*argv)
+    plan = plan_run(args, max_micro_batch=24, world_size=1, target_global=97)
+    ext = [a.dest for g in parser._action_groups if g.title == EXTENSIONS_GROUP for a in g._group_actions]
+    stock = [a.dest for a in parser._actions if a.dest not in ext and a.dest not in ('help', 'config')]
+    values = config_values(args, parser, stock, plan)
+    assert not set(values) & set(ext), 'extension keys must stay out of the YAML'
+    path = tmp_path / 'tuned.yaml'
+    path.write_text(tuned_config_text(values, ['report line', 'log_noise_scale: true']))
+    assert yaml.safe_load(path.read_text()) == values
+    flags = extension_flags(args, parser, ext)
+    assert flags == ['--log-noise-scale']
+    read_back, _ = parse_args(['-c', str(path), *flags])
+    expected = vars(args) | {'batch_size': plan.micro_batch, 'grad_accum_steps': plan.accum_steps,
+                             'lr': plan.lr_to_write}
+    assert vars(read_back) == expected
+
+
+# ---- the script ---------------------------------------------------------------------------------------------------
+
+def tune(tmp_path: Path, image_folder: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}
+    return run_script('tune_batch.py', '--data-dir', image_folder, *RUN, *extra, env=env, cwd=tmp_path,
+                      timeout=timeout)
+
+
+def trial_lines(stdout: str):
+    return [line for line in stdout.splitlines() if line.startswith('  batch ')]
+
+
+@pytest.fixture(scope='module')
+def dry_run(tmp_path_factory, image_folder):
+    tmp_path = tmp_path_factory.mktemp('tune')
+    config = tmp_path / 'tuned.yaml'
+    # 10000 epochs: evaluation is long enough for the eval-batch probe to pay
+    first = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--epochs', '10000',
+                 '--tuned-config', config, '--opt', 'adamw', '--dry-run')
+    return tmp_path, config, first
+
+
+def test_dry_run_report(dry_run):
+    tmp_path, config, result = dry_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    lines = trial_lines(out)
+    assert len(lines) >= 3 and any(' fit ' in line for line in lines)
+    assert any('oom' in line or 'over headroom' in line for line in lines), 'the 48 MiB cap must bind'
+    for needle in ('Trials:', 'micro-batch', 'Accumulation', 'global batch 96', 'LR ', 'sqrt', 'Train command:'):
+        assert needle in out
+    assert config.exists() and (tmp_path / 'tuned.trials.json').exists()
+    assert not (tmp_path / 'output' / 'train').exists(), '--dry-run must not train'
+
+
+def test_dry_run_config_is_read_back_by_train_parser(dry_run, image_folder):
+    tmp_path, config, result = dry_run
+    values = yaml.safe_load(config.read_text())
+    assert values['batch_size'] * values['grad_accum_steps'] == 96
+    assert 'lr' not in values  # from --lr-base: train.py computes the same LR itself
+    read_back, _ = parse_args(['-c', str(config)])
+    expected, _ = parse_args(['--data-dir', str(image_folder), *RUN, '--opt', 'adamw', '--epochs', '10000',
+                              '--validation-batch-size', str(values['validation_batch_size']),
+                              '--batch-size', str(values['batch_size']),
+                              '--grad-accum-steps', str(values['grad_accum_steps'])])
+    assert vars(read_back) == vars(expected)
+
+
+def test_second_identical_request_is_a_cache_hit(dry_run, image_folder):
+    tmp_path, config, first = dry_run
+    again = tmp_path / 'again.yaml'
+    second = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--epochs', '10000',
+                  '--tuned-config', again, '--opt', 'adamw', '--dry-run')
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count('cached result') == 2 and 'batch ' not in second.stdout.split('Trials:')[0]
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith('# Train with')]
+    assert strip(again.read_text()) == strip(config.read_text())
+    # a different request (another optimizer) is not served from the cache
+    other = tune(tmp_path, image_folder, *BUDGET, '--tuned-config', tmp_path / 'other.yaml', '--dry-run',
+                 '--max-batch', '4')
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert 'cached result' not in other.stdout and trial_lines(other.stdout)
+
+
+def test_select_throughput_retimes_and_explains_its_choice(tmp_path, image_folder):
+    # a wide tolerance makes every fitting size a candidate for re-timing, however the timings fall
+    result = tune(tmp_path, image_folder, *BUDGET, '--select', 'throughput', '--throughput-tol', '0.5',
+                  '--tuned-config', tmp_path / 't.yaml', '--dry-run')
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = trial_lines(result.stdout)
+    assert any('[re-timing 2]' in line for line in lines), 'the close sizes are timed again in interleaved rounds'
+    report = next(line for line in result.stdout.splitlines() if 'select throughput: micro-batch' in line)
+    assert 'smallest batch within 50%' in report or 'the best throughput measured' in report
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if 'error' in line or 'interrupted' in line]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert 'Traceback' not in result.stderr
+    return lines[0]
+
+
+def test_nothing_fits_names_budget_model_input_and_suggestions(tmp_path, image_folder):
+    # test_vit has no BatchNorm, so batch 1 is a real candidate (and runs out of memory too)
+    result = tune(tmp_path, image_folder, '--model', 'test_vit', '--model-kwargs', 'img_size=32',
+                  '--mem-budget', '2MiB', '--dry-run', '--no-cache')
+    assert result.returncode == 1
+    line = one_line_error(result)
+    for needle in ('nothing fits', '2.00 MiB', 'test_vit', '3x32x32', '--amp', '--grad-checkpointing'):
+        assert needle in line
+    assert not (tmp_path / 'cache').exists() or not any((tmp_path / 'cache').iterdir())
+
+
+def test_budget_larger_than_device_is_an_error(tmp_path, image_folder):
+    result = tune(tmp_path, image_folder, '--mem-budget', '100TiB', '--dry-run')
+    assert result.returncode == 2
+    assert 'larger than' in one_line_error(result)
+
+
+@pytest.mark.parametrize('argv, fragment', [
+    (['--mem-budget', '12'], 'a size with a unit'),
+    (['--mem-budget', '0.5x'], 'a size with a unit'),
+    (['--mem-headroom', '1.5'], 'in [0, 1)'),
+    (['--batch-multiple', '0'], 'positive integer'),
+])
+def test_bad_tune_flags_are_one_line_argument_errors(capsys, argv, fragment):
+    spec = importlib.util.spec_from_file_location('tune_batch_script', REPO_ROOT / 'tune_batch.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as info:
+        module.main(['--model', 'test_resnet', *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment in err
+
+
+def test_non_oom_failure_stops_without_retries(tmp_path, image_folder):
+    # BatchNorm cannot train on one sample at 1x1 spatial size: a ValueError, not an OOM
+    result = tune(tmp_path, image_folder, *BUDGET, '--probe-start', '1', '--max-batch', '1', '--dry-run')
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert 'ValueError' in line and 'Expected more than 1 value per channel' in line
+    lines = trial_lines(result.stdout)
+    assert len(lines) == 1 and ': error ValueError' in lines[0], 'the failed size is not retried, nor a smaller one'
+
+
+def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_folder):
+    cache = tmp_path / 'cache'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TIMM_EXT_CACHE_DIR': str(cache)}
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), *RUN, *BUDGET,
+         '--dry-run'], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # interrupt once the first trial is reported
+            if line.startswith('  batch '):
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert 'interrupted' in err and 'Traceback' not in err
+    assert not cache.exists() or not any(cache.iterdir())
+    assert not (tmp_path / 'output' / 'tune' / 'test_resnet-32.yaml').exists()
+
+
+def test_tune_then_train_then_validate(tmp_path, image_folder):
+    out_dir = tmp_path / 'runs'
+    result = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '32', '--epochs', '1',
+                  '--output', out_dir, '--experiment', 'tuned', '--tuned-config', tmp_path / 'tuned.yaml',
+                  timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    values = yaml.safe_load((tmp_path / 'tuned.yaml').read_text())
+    run_dir = out_dir / 'tuned'
+    args_yaml = yaml.safe_load((run_dir / 'args.yaml').read_text())
+    assert args_yaml['batch_size'] == values['batch_size']
+    assert args_yaml['grad_accum_steps'] == values['grad_accum_steps']
+    assert values['batch_size'] * values['grad_accum_steps'] == 32
+    assert (run_dir / 'model_best.pth.tar').exists()
+    validated = run_script('validate.py', '--data-dir', image_folder, '--model', 'test_resnet', '--num-classes', '3',
+                           '--checkpoint', run_dir / 'model_best.pth.tar', '--device', 'cpu', '--img-size', '32',
+                           '-j', '0', '--results-file', tmp_path / 'results.csv', cwd=tmp_path)
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    assert 'top1' in (tmp_path / 'results.csv').read_text()
+
+
+# ---- the recipe's global batch is the user's intent (--select auto) -----------------------------------------------
+
+def report_of(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def planned(config: Path) -> tuple:
+    values = yaml.safe_load(config.read_text())
+    return values['batch_size'], values.get('grad_accum_steps', 1)
+
+
+@pytest.mark.parametrize('batch_flags, global_batch', [
+    (['-b', '16'], 16),
+    (['-b', '4', '--grad-accum-steps', '4'], 16),  # fits as one batch of 16: one trial, no accumulation needed
+    (['--target-global-batch', '12'], 12),
+])
+def test_a_global_batch_set_on_the_command_line_is_kept_with_one_trial(tmp_path, image_folder, batch_flags,
+                                                                      global_batch):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, *batch_flags, '--tuned-config', config, '--dry-run'))
+    assert len(trial_lines(out)) == 1 and 'one trial, nothing to search' in out
+    assert planned(config) == (global_batch, 1) and 'Kept it exactly' in out
+    # 300 evaluations of 24 images take seconds: a few eval trials would cost more than 5% of that
+    assert 'Eval batch: not probed: 300 evaluations are predicted' in out and '  eval batch' not in out
+    assert 'validation_batch_size' not in yaml.safe_load(config.read_text())
+
+
+def test_a_global_batch_set_in_the_yaml_is_kept_and_split_when_it_does_not_fit(tmp_path, image_folder):
+    recipe = tmp_path / 'recipe.yaml'
+    recipe.write_text('batch_size: 24\nopt: adamw\n')
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, '-c', recipe, *BUDGET, '--tuned-config', config, '--dry-run'))
+    micro, accum = planned(config)
+    assert micro * accum == 24 and accum > 1, 'the 48 MiB budget fits 16, not 24: the recipe is built by accumulation'
+    assert 'a batch of 24 per rank does not fit' in out and 'Kept it exactly' in out
+
+
+def test_select_throughput_never_makes_the_global_batch_bigger(tmp_path, image_folder):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, '-b', '8', '--select', 'throughput', '--tuned-config', config,
+                         '--dry-run'))
+    micro, accum = planned(config)
+    assert micro * accum == 8 and all(int(line.split()[1].rstrip(':')) <= 8 for line in trial_lines(out))
+
+
+def test_without_a_set_batch_a_short_run_keeps_stock_default_and_warns(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=48)  # 144 training images: -b 128 fits as one batch
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, data, '--epochs', '2', '--tuned-config', config, '--dry-run'))
+    assert "stock train.py's default -b 128" in out and 'too short for tuning to pay off' in out
+    assert planned(config) == (128, 1) and len(trial_lines(out)) == 1
+    assert 'Plot:' not in out and not (tmp_path / 't.png').exists(), 'one trial is one point: no plot'
+    warning = next(line for line in out.splitlines() if line.startswith('Warning:'))
+    assert 'only 2 optimizer updates' in warning and '-b/--batch-size' in warning
+
+
+def test_a_recipe_built_by_accumulation_is_not_made_bigger(tmp_path, image_folder):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, '--epochs', '2', '--tuned-config', config, '--dry-run'))
+    micro, accum = planned(config)
+    assert micro * accum == 128  # stock's default on 24 images: built as 16 x 8, as far as the split allows
+    assert 'the training split holds only 24 samples per rank' in out and 'adds no samples/s' in out
+
+
+def test_select_max_warns_when_the_batch_leaves_few_updates(tmp_path, image_folder):
+    out = report_of(tune(tmp_path, image_folder, '--select', 'max', '--epochs', '8', '--tuned-config',
+                         tmp_path / 't.yaml', '--dry-run'))
+    assert 'Warning: global batch 24 leaves the run only 8 optimizer updates' in out
+    assert 'the validation split (24 per rank) is one batch of the micro-batch 24 already; not probed' in out
+
+
+# ---- the eval batch ----------------------------------------------------------------------------------------------
+
+def test_a_long_run_probes_the_eval_batch_and_writes_validation_batch_size(dry_run):
+    tmp_path, config, result = dry_run
+    out = report_of(result)
+    eval_trials = [line for line in out.splitlines() if line.startswith('  eval batch ')]
+    # forward-only trials from 2x the micro-batch (16 fits the 48 MiB budget in training), capped by the split (24)
+    assert 1 <= len(eval_trials) <= 4, eval_trials
+    values = yaml.safe_load(config.read_text())
+    assert values['validation_batch_size'] > values['batch_size']
+    assert f'Eval batch {values["validation_batch_size"]} = ' in out and 'Eval trials:' in out
+    assert (tmp_path / 'tuned.eval.trials.json').exists()
+
+
+def test_train_evaluation_gives_the_same_results_at_the_tuned_eval_batch(tmp_path, image_folder):
+    def start(name, *extra):  # both runs at once: each is mostly interpreter start-up
+        return subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / 'train.py'), '--data-dir', str(image_folder), *RUN, '-b', '4', '--epochs',
+             '2', '--seed', '3', '--output', str(tmp_path), '--experiment', name, '--log-interval', '1', *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            env={**os.environ, 'OMP_NUM_THREADS': '1'})
+
+    def eval_rows(name, proc):
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 0, stderr[-3000:]
+        batches = {line.split('[', 1)[1].split(']')[0] for line in stderr.splitlines() if line.startswith('Test: [')}
+        rows = [line.split(',') for line in (tmp_path / name / 'summary.csv').read_text().splitlines()]
+        header = rows[0]
+        return batches, [{k: float(v) for k, v in zip(header, row) if k.startswith('eval_')} for row in rows[1:]]
+
+    runs = {'stock': start('stock'), 'tuned': start('tuned', '--validation-batch-size', '24')}
+    (stock_batches, stock), (tuned_batches, tuned) = (eval_rows(name, proc) for name, proc in runs.items())
+    assert '   5/5' in stock_batches and tuned_batches == {'   0/0'}  # 24 images: 6 batches of 4, or one of 24
+    for a, b in zip(stock, tuned):
+        assert (a['eval_top1'], a['eval_top5']) == (b['eval_top1'], b['eval_top5'])
+        assert a['eval_loss'] == pytest.approx(b['eval_loss'], abs=1e-6)
+
+
+def test_real_digits_tune_then_train_is_well_above_chance(tmp_path):
+    from timm_ext.packaged_data import write_image_folder
+    data = write_image_folder('digits', tmp_path / 'digits')
+    out_dir = tmp_path / 'runs'
+    result = run_script('tune_batch.py', '--data-dir', data, '--model', 'test_resnet', '--num-classes', '10',
+                        '--img-size', '32', '--device', 'cpu', '-j', '0', '-b', '32', '--epochs', '4',
+                        '--opt', 'sgd', '--sched', 'cosine', '--lr-base', '0.4', '--warmup-epochs', '1',
+                        '--output', out_dir, '--experiment', 'digits', '--tuned-config', tmp_path / 't.yaml',
+                        env={'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache')}, cwd=tmp_path, timeout=600)
+    out = report_of(result)
+    assert 'Kept it exactly' in out and len(trial_lines(out)) == 1
+    rows = (out_dir / 'digits' / 'summary.csv').read_text().splitlines()[1:]
+    best = max(float(row.split(',')[3]) for row in rows)
+    assert best > 50, f'10 classes: chance is 10%, got best top-1 {best}'
+
+
+def test_mixup_runs_get_an_even_micro_batch_from_the_planner():
+    args = train_namespace('--mixup', '0.2', '-b', '8')
+    plan = plan_run(args, max_micro_batch=15, world_size=1)
+    assert plan.micro_batch == 14 and 'even' in plan.reason
+    assert plan_run(args, max_micro_batch=15, world_size=1, target_global=18).micro_batch % 2 == 0

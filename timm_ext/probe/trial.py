@@ -1,0 +1,320 @@
+"""The training trial of the batch probe: one real update of the run's model, built the way train.py builds it.
+
+`build_train_trial` takes train.py's parsed arguments and sets up what decides a training step's memory with
+train.py's own builder (`timm_ext.train.stack`) and loop (`timm_ext.train.loop.TrainLoop`): the model with its
+dtype, channels_last and gradient checkpointing, the task and loss, the optimizer (`create_optimizer_v2`), the EMA
+copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up update (it allocates
+the optimizer state) and a timed update, on random inputs of the largest size the run will see, directly on the
+device. Under DDP the trial adds a buffer the size of the gradients for DDP's gradient buckets but runs no
+collective inside the step, so a rank that fails alone cannot leave the others waiting.
+
+Three things differ from the run on purpose, each to keep a trial one honest, self-contained step:
+
+* `--sync-bn` is probed with plain BatchNorm: SyncBatchNorm all-gathers statistics in every forward and backward
+  once a process group exists, a collective inside the step; the memory differs only by those tiny buffers.
+* float16 AMP's loss scaler starts at `PROBE_LOSS_SCALE` (1), not 65536: a fresh scaler's first updates overflow
+  and skip the optimizer step, which then allocates no optimizer state and times a cheaper step than the run's.
+* `--torchcompile-mode` with CUDA graphs ('reduce-overhead', 'max-autotune') is probed without them
+  (`probe_compile_mode`): the graphs recorded for each batch size keep private memory pools that `empty_cache`
+  does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
+  but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
+
+The same setup also times the run's evaluation step (`TrainTrialSetup.eval_trials`): a forward pass without
+gradients of the eval model at the eval input size, with the optimizer state resident as it is when train.py
+evaluates between epochs; tune_batch.py probes it for `validation_batch_size`.
+
+`probe_train_batch` runs the whole probe: budget, cap, the search aimed at the headroom's limit, re-timing
+(throughput choice), choice.
+"""
+import argparse
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
+from .search import (
+    ERROR, BatchGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
+    measured_trial, retime_trials, search_batch_size, select_batch_size, default_grid,
+)
+from ..train.loop import LoopConfig, TrainLoop
+from ..train.setup import SetupError
+from ..train.stack import build_training_stack
+
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
+           'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE']
+
+_logger = logging.getLogger(__name__)
+
+# Initial loss scale of the probe's float16 scaler: unscaled, an update overflows only when the run's would at any
+# scale, so no trial skips its optimizer step (gradients that underflow to zero cost the same step).
+PROBE_LOSS_SCALE = 1.0
+
+# torch.compile modes that record CUDA graphs, and the same compilation without them
+_CUDA_GRAPH_MODES = {'reduce-overhead': None, 'max-autotune': 'max-autotune-no-cudagraphs'}
+
+
+def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """A fresh loss scaler for a trial, starting at `PROBE_LOSS_SCALE` so its updates are not skipped."""
+    return torch.amp.GradScaler(device.type, init_scale=PROBE_LOSS_SCALE)
+
+
+def probe_compile_mode(mode: Optional[str]) -> Optional[str]:
+    """The torch.compile mode probe trials use for the run's `--torchcompile-mode`: the same, less CUDA graphs."""
+    return _CUDA_GRAPH_MODES.get(mode, mode)
+
+
+def probe_input_size(args: argparse.Namespace, data_config: dict) -> Tuple[int, ...]:
+    """The largest input (C, H, W) the run will train on: the model's / --input-size / --img-size, or the biggest
+    of a --train-img-sizes schedule."""
+    channels, height, width = data_config['input_size']
+    for size in getattr(args, 'train_img_sizes', None) or ():
+        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        if h * w > height * width:
+            height, width = h, w
+    return channels, height, width
+
+
+@dataclass
+class TrainTrialSetup:
+    """What a training trial runs: built once, reused by every trial.
+
+    Attributes:
+        step: Runs one training update at a batch size (raises on failure).
+        reset: Clears gradients, optimizer state and the loss scaler (before and after each trial).
+        input_size: (C, H, W) of the trial inputs.
+        describe: One line naming the model, input, precision and optimizer (for reports and errors).
+        device: The device trials run on.
+        eval_step: Runs one evaluation forward at a batch size (no gradients), the optimizer state allocated.
+        eval_input_size: (C, H, W) train.py evaluates at.
+    """
+    step: Callable[[int], None]
+    reset: Callable[[], None]
+    input_size: Tuple[int, ...]
+    describe: str
+    device: torch.device
+    eval_step: Optional[Callable[[int], None]] = None
+    eval_input_size: Optional[Tuple[int, ...]] = None
+
+    def eval_trials(self) -> 'TrainTrialSetup':
+        """The same run's evaluation step as the trial (for `probe_train_batch`)."""
+        if self.eval_step is None:
+            raise ValueError('this setup was built without an evaluation step')
+        return dataclasses.replace(self, step=self.eval_step, input_size=self.eval_input_size,
+                                   describe=f'{self.describe}; evaluation forward (no gradients) at input '
+                                            f'{"x".join(map(str, self.eval_input_size))}')
+
+
+def _soft_targets(args: argparse.Namespace) -> bool:
+    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+
+
+def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTrialSetup:
+    """Set up the run's model, task, optimizer, EMA and AMP for training trials.
+
+    `args` is train.py's namespace (after `init_device`, so rank and world size are set); it is not modified.
+
+    Raises:
+        SetupError: The run cannot be built (unknown model, ...) or is a mode the probe does not cover (NaFlex).
+    """
+    args = copy.deepcopy(args)
+    sync_bn_asked = args.sync_bn and args.distributed
+    args.sync_bn = False  # no collective inside a trial; the memory is plain BN's but for SyncBN's tiny buffers
+    if getattr(args, 'naflex_loader', False):
+        raise SetupError('--naflex-loader runs take variable patch sequences; the probe covers fixed-size inputs, '
+                         'so pass -b/--batch-size yourself')
+    compile_mode = probe_compile_mode(args.torchcompile_mode)
+    # the value of the LR does not change memory; the optimizer factory needs one
+    stack = build_training_stack(args, device, lr=args.lr or args.lr_base, with_data=False,
+                                 compile_mode=compile_mode, ddp=False)
+    task, optimizer, amp, model_dtype = stack.task, stack.optimizer, stack.amp, stack.model_dtype
+    input_size = probe_input_size(args, stack.data_config)
+    loop = TrainLoop(
+        task, optimizer,
+        LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
+                   channels_last=args.channels_last, model_dtype=model_dtype, prefetcher=True),
+        amp_autocast=amp.autocast,
+    )
+    params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
+    # DDP keeps its gradient buckets, about one more copy of the gradients, for the whole run
+    bucket_bytes = sum(p.numel() * p.element_size() for p in params) if args.world_size > 1 else 0
+    splits = max(1, args.aug_splits)  # AugMix splits put `splits` views of each image into a batch
+    num_classes = args.num_classes
+    soft = _soft_targets(args)
+    updates = [0]
+
+    def step(batch_size: int) -> None:
+        rows = batch_size * splits
+        buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=device) if bucket_bytes else None
+        input = torch.randn((rows,) + tuple(input_size), device=device, dtype=model_dtype or torch.float32)
+        if soft:
+            target = torch.full((rows, num_classes), 1.0 / num_classes, device=device)
+        else:
+            target = torch.randint(0, num_classes, (rows,), device=device)
+        input, target = loop.prepare_batch(input, target)
+        loop.forward_backward(input, target, weight=1.0, sync=True)
+        loop.optimizer_update()
+        updates[0] += 1
+        task.update_ema(step=updates[0])
+        del buckets
+
+    eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
+    eval_model = task.get_eval_model()
+    prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
+
+    def eval_step(batch_size: int) -> None:
+        if not optimizer.state:  # train.py evaluates with the optimizer state allocated: a tiny update makes it
+            step(2)  # (batch norm needs 2 samples)
+        shape = (batch_size,) + eval_input_size
+        held = [torch.randn(shape, device=device, dtype=model_dtype) for _ in range(prefetched)]
+        input = torch.randn(shape, device=device, dtype=model_dtype)
+        if args.channels_last:
+            input = input.contiguous(memory_format=torch.channels_last)
+        eval_model.eval()
+        try:
+            with torch.inference_mode(), amp.autocast():
+                eval_model(input)
+        finally:
+            eval_model.train()
+        del input, held
+
+    def reset() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+        loop.grad_scaler = probe_grad_scaler(device) if amp.use_grad_scaler else None
+
+    precision = f'AMP {amp.dtype}'.replace('torch.', '') if amp.enabled else str(model_dtype or 'float32')
+    graphs_dropped = bool(args.torchcompile) and compile_mode != args.torchcompile_mode
+    extras = [x for x, on in (('channels_last', args.channels_last), ('grad checkpointing', args.grad_checkpointing),
+                              ('EMA', args.model_ema), ('torch.compile', args.torchcompile),
+                              ('no CUDA graphs in trials', graphs_dropped),
+                              ('SyncBN probed as BN', sync_bn_asked)) if on]
+    describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
+                + (', ' + ', '.join(extras) if extras else ''))
+    return TrainTrialSetup(step, reset, tuple(input_size), describe, device, eval_step, eval_input_size)
+
+
+@dataclass
+class ProbeOutcome:
+    """A finished probe.
+
+    Attributes:
+        selection: The chosen batch and why, with the trial table.
+        budget: The budget in bytes.
+        describe: What was probed (model, input, precision, optimizer).
+        device_name: The device's name.
+        cached: Read from the probe cache (no trials ran).
+    """
+    selection: Selection
+    budget: int
+    describe: str
+    device_name: str
+    cached: bool = False
+
+    @property
+    def trials(self) -> List[Trial]:
+        return self.selection.trials
+
+
+def probe_train_batch(
+        setup: TrainTrialSetup,
+        budget: MemoryBudget,
+        headroom: float = 0.1,
+        select: str = 'max',
+        throughput_tol: float = 0.05,
+        start: int = 2,
+        max_batch: Optional[int] = None,
+        grid: Optional[BatchGrid] = None,
+        timed_steps: int = 1,
+        on_trial: Optional[Callable[[Trial], None]] = None,
+        retime_rounds: int = 2,
+) -> ProbeOutcome:
+    """Probe the largest training batch under a memory cap and choose one.
+
+    The cap is in force only while trials run and is lifted however the probe ends. Under an initialized process
+    group every rank must call this together: each trial's outcome is agreed across ranks, and the final size is
+    the minimum over ranks.
+
+    Args:
+        setup: The training trial (`build_train_trial`).
+        budget: The memory budget (`timm_ext.memory.parse_budget`).
+        headroom: Fraction of the budget the chosen batch must leave free, judged on measured peak memory.
+        select: 'max' or 'throughput' (see `select_batch_size`).
+        throughput_tol: Tolerance of the throughput choice.
+        start: First batch size tried.
+        max_batch: Largest batch worth trying (dataset size, --max-batch).
+        grid: The sizes trials may take (default: multiples of the device's `default_batch_multiple`).
+        timed_steps: Timed updates per trial after the warm-up update.
+        on_trial: Called with each trial as it completes.
+        retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
+            search skipped between them, again (`retime_trials`).
+
+    Raises:
+        BudgetError: The budget is larger than the device.
+        NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
+    """
+    device = setup.device
+    budget_bytes = budget.resolve(device)
+    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
+    # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.search.run_forked`)
+    isolate = device.type == 'cpu'
+    uncapped = agree_across_ranks(measured_trial(setup.step, device, before=setup.reset, isolate=isolate))
+
+    def fail_if_broken_without_cap() -> None:
+        # a step that fails without any cap is the run's own failure, not an out-of-memory
+        check = uncapped(min(start, 2))
+        if check.status == ERROR:
+            raise TrialError(f'a training step fails before any memory cap ({context}): {check.error}', [check])
+
+    if not isolate:
+        fail_if_broken_without_cap()  # on CUDA this first update also sets up kernels and library workspaces
+    with memory_cap(device, budget_bytes) as cap:
+        trial: TrialFn = measured_trial(
+            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
+            capped=True, before=setup.reset, isolate=isolate)
+        trial = agree_across_ranks(trial)
+        # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
+        accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)
+        grid = grid or default_grid(device.type)
+        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
+                                   peak_limit=accept.limit)
+        if select == 'throughput':
+            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
+    if isolate and not any(t.accepted for t in trials):
+        # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
+        fail_if_broken_without_cap()
+    selection = select_batch_size(trials, select, throughput_tol, context)
+    # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
+    chosen = _smallest_over_ranks(selection.batch_size, device)
+    if chosen != selection.batch_size:
+        pick = next(t for t in trials if t.batch_size == chosen)
+        selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
+    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+
+
+def _smallest_over_ranks(value: int, device: torch.device) -> int:
+    """The minimum of `value` over the ranks of an initialized process group (`value` itself without one)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
+
+
+def nothing_fits_advice(args: argparse.Namespace) -> str:
+    """Suggestions for a run whose batch of 1-2 does not fit: the memory savers it is not using yet."""
+    tips = []
+    if not args.amp and not args.model_dtype:
+        tips.append('--amp (mixed precision)')
+    if not args.grad_checkpointing:
+        tips.append('--grad-checkpointing')
+    tips.append('a smaller --img-size / --input-size')
+    if args.model_ema and not args.model_ema_force_cpu:
+        tips.append('--model-ema-force-cpu')
+    tips.append('a larger --mem-budget')
+    return 'try ' + ', '.join(tips)
+
