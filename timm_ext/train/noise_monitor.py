@@ -113,11 +113,11 @@ class NoiseScaleMonitor:
             return
         amp_sq = float(amp_scale) ** 2
         big_samples = window_samples * self.world_size
-        for sq, samples, weight in micro:
-            self.estimator.update(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
+        pairs = [two_batch_estimates(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
+                 for sq, samples, weight in micro]
+        for g_sq, trace_sigma in pairs:
+            self.estimator.add_estimates(g_sq, trace_sigma)
         if self.windows is not None:
-            pairs = [two_batch_estimates(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
-                     for sq, samples, weight in micro]
             self.windows.append((sum(p[0] for p in pairs) / len(pairs), sum(p[1] for p in pairs) / len(pairs)))
 
     def close(self) -> None:

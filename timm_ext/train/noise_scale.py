@@ -44,7 +44,10 @@ class NoiseScaleEstimator:
 
     def update(self, small_sq: Number, b_small: float, big_sq: Number, b_big: float) -> None:
         """Add one (small batch, big batch) pair of squared gradient norms."""
-        g_sq, trace_sigma = two_batch_estimates(small_sq, b_small, big_sq, b_big)
+        self.add_estimates(*two_batch_estimates(small_sq, b_small, big_sq, b_big))
+
+    def add_estimates(self, g_sq: Number, trace_sigma: Number) -> None:
+        """Add one pair's unbiased (|G|², tr(Σ)) estimates (`two_batch_estimates`)."""
         keep = self.ema_decay
         self._g_sq = keep * self._g_sq + (1 - keep) * g_sq
         self._trace_sigma = keep * self._trace_sigma + (1 - keep) * trace_sigma
