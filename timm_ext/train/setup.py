@@ -6,8 +6,10 @@ work) into :class:`UsageError` (exit status 2) or :class:`SetupError` (exit stat
 before any output is written.
 """
 import argparse
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -29,6 +31,50 @@ _logger = logging.getLogger('train')
 
 class SetupError(TimmExtError):
     """A run that cannot be set up: missing data, unknown model, unusable weights (exit status 1)."""
+
+
+def with_values(args: argparse.Namespace, **values: Any) -> argparse.Namespace:
+    """A copy of `args` with `values` in place of its own (`args` is left alone).
+
+    The copy is shallow: the builders read list and dict values (--model-kwargs, --opt-kwargs) but never change them.
+    """
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+@dataclass(frozen=True)
+class ResolvedArgs:
+    """What train.py's flags leave open and the build settles, as the run's own arguments record it.
+
+    Stock train.py writes these into its namespace, so its checkpoints and args hold them; the builders here leave the
+    namespace alone and return them instead, for train.py to copy into the arguments it saves.
+
+    Attributes:
+        num_classes: --num-classes, else the model's own.
+        dist_bn: --dist-bn, or '' when distributed --sync-bn keeps the statistics in step (nothing to distribute).
+        data_dir: --data-dir, else the deprecated positional DIR.
+    """
+    num_classes: int
+    dist_bn: str
+    data_dir: Optional[str]
+
+    def applied_to(self, args: argparse.Namespace) -> argparse.Namespace:
+        """A copy of `args` holding these values, for the builders that read them after the model."""
+        return with_values(args, **dataclasses.asdict(self))
+
+
+def resolve_args(args: argparse.Namespace, num_classes: int) -> ResolvedArgs:
+    """The run's resolved values, given the model's class count (`build_model`)."""
+    return ResolvedArgs(num_classes=num_classes, dist_bn=resolve_dist_bn(args), data_dir=resolve_data_dir(args))
+
+
+def resolve_dist_bn(args: argparse.Namespace) -> str:
+    """--dist-bn, or '' under distributed --sync-bn: synced statistics need no end-of-epoch distribution."""
+    return '' if args.distributed and args.sync_bn else args.dist_bn
+
+
+def resolve_data_dir(args: argparse.Namespace) -> Optional[str]:
+    """--data-dir, else the deprecated positional DIR."""
+    return args.data if args.data and not args.data_dir else args.data_dir
 
 
 def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
@@ -115,8 +161,12 @@ def resolve_model_dtype(args: argparse.Namespace) -> Optional[torch.dtype]:
     return dtype
 
 
-def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Optional[torch.dtype]) -> nn.Module:
+def build_model(args: argparse.Namespace, device: torch.device,
+                model_dtype: Optional[torch.dtype]) -> Tuple[nn.Module, int]:
     """Create the model as stock does (head init, grad checkpointing, split/sync BN, device, dtype, layout).
+
+    Returns:
+        (model, its class count: --num-classes, else the model's own).
 
     Raises:
         SetupError: Unknown model name, unreadable --initial-checkpoint / --pretrained-path, weights not loadable.
@@ -157,10 +207,11 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
             model.get_classifier().bias.mul_(args.head_init_scale)
     if args.head_init_bias is not None:
         nn.init.constant_(model.get_classifier().bias, args.head_init_bias)
-    if args.num_classes is None:
+    num_classes = args.num_classes
+    if num_classes is None:
         if not hasattr(model, 'num_classes'):
             raise SetupError(f'model {name!r} has no num_classes; pass --num-classes')
-        args.num_classes = model.num_classes
+        num_classes = model.num_classes
     if args.grad_checkpointing:
         try:
             model.set_grad_checkpointing(enable=True)
@@ -176,7 +227,6 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
         if device.type == 'cpu':
             raise UsageError('--sync-bn needs accelerator devices (torch SyncBatchNorm refuses CPU modules); '
                              'drop it, --dist-bn reduce averages BN statistics after each epoch instead')
-        args.dist_bn = ''  # synced statistics need no end-of-epoch distribution
         model = convert_sync_batchnorm(model)
         if args.rank == 0:
             _logger.info('Converted model to use synchronized BatchNorm (zero-initialized BN layers may misbehave).')
@@ -185,7 +235,7 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
             model = torch.jit.script(model)
         except Exception as e:  # torchscript reports failures with many exception types
             raise SetupError(f'--torchscript cannot script {name!r}: {_first_line(e)}') from None
-    return model
+    return model, num_classes
 
 
 def _first_line(e: BaseException) -> str:
@@ -208,22 +258,23 @@ def _is_local_dataset(name: str) -> bool:
 def build_datasets(args: argparse.Namespace, img_mode: str) -> Tuple[Any, Any]:
     """Train and (when --val-split is set) eval datasets via ``timm.data.create_dataset``.
 
+    The class count checked against the splits' folders is ``args.num_classes`` (when set).
+
     Raises:
         SetupError: No --data-dir, a missing data folder, or a split without images.
     """
-    if args.data and not args.data_dir:
-        args.data_dir = args.data
+    data_dir = resolve_data_dir(args)
     if _is_local_dataset(args.dataset):
-        if not args.data_dir:
+        if not data_dir:
             raise SetupError('no dataset given; pass --data-dir DIR (a folder with train/ and validation/)')
-        if not os.path.exists(args.data_dir):
-            raise SetupError(f'data folder not found: {args.data_dir}; pass an existing --data-dir')
+        if not os.path.exists(data_dir):
+            raise SetupError(f'data folder not found: {data_dir}; pass an existing --data-dir')
 
     def make(split: str, is_training: bool, num_samples: Optional[int], **train_only):
         try:
             return create_dataset(
                 args.dataset,
-                root=args.data_dir,
+                root=data_dir,
                 split=split,
                 is_training=is_training,
                 class_map=args.class_map,
@@ -237,7 +288,7 @@ def build_datasets(args: argparse.Namespace, img_mode: str) -> Tuple[Any, Any]:
                 **train_only,
             )
         except (RuntimeError, OSError, ValueError, AssertionError, ImportError) as e:
-            where = args.data_dir or args.dataset
+            where = data_dir or args.dataset
             raise SetupError(f'cannot read the {split!r} split of {where}: {_first_line(e)}') from None
 
     dataset_train = make(args.train_split, True, args.train_num_samples, seed=args.seed, repeats=args.epoch_repeats)
@@ -303,11 +354,25 @@ def build_train_loader(
     """
     if args.aa:
         patch_posterize()  # timm's increasing posterize reaches 0 bits, which current Pillow refuses
+    loader_kwargs = dict(**_loader_common(args, data_config, device, model_dtype),
+                         **_train_augment_kwargs(args, data_config))
+    if args.naflex_loader:  # NaFlex mixes inside the loader, so the loop has no mixup_fn
+        loader = _naflex_train_loader(args, dataset, model, loader_kwargs)
+        mixup_fn, reference_batch = None, float(args.batch_size)
+    else:
+        loader, mixup_fn, reference_batch = _image_train_loader(args, dataset, data_config, loader_kwargs)
+    if len(loader) == 0:
+        raise SetupError(f'the training split has fewer samples per process than one batch of {args.batch_size} '
+                         f'(incomplete batches are dropped in training); lower -b/--batch-size')
+    return loader, mixup_fn, reference_batch
+
+
+def _train_augment_kwargs(args: argparse.Namespace, data_config: dict) -> dict:
+    """The training loader's batch, augmentation and worker settings, shared by the standard and NaFlex loaders."""
     train_interpolation = args.train_interpolation
     if args.no_aug or not train_interpolation:
         train_interpolation = data_config['interpolation']
-    common = _loader_common(args, data_config, device, model_dtype)
-    train_kwargs = dict(
+    return dict(
         batch_size=args.batch_size,
         is_training=True,
         no_aug=args.no_aug,
@@ -331,71 +396,73 @@ def build_train_loader(
         num_workers=args.workers,
         worker_seeding=args.worker_seeding,
     )
+
+
+def _naflex_train_loader(args: argparse.Namespace, dataset: Any, model: nn.Module, loader_kwargs: dict) -> Any:
+    """The NaFlex training loader: variable patch sequences, mixup inside the loader."""
     mix = mixup_kwargs(args)
-    mixup_fn = None
-    reference_batch = float(args.batch_size)
-    if args.naflex_loader:
-        naflex_mixup = None
-        if mix is not None:
-            from timm.data import NaFlexMixup
-            naflex_mixup = NaFlexMixup(**{k: v for k, v in mix.items() if k not in ('mode', 'cutmix_minmax')})
-        if not hasattr(model, 'get_patch_size'):
-            raise SetupError(f'--naflex-loader needs a NaFlex model (naflexvit_*) that takes patch dicts; '
-                             f'{args.model!r} takes image tensors')
-        patch_kwargs = {}
-        if args.naflex_patch_sizes:
-            patch_kwargs['patch_size_choices'] = args.naflex_patch_sizes
-            if args.naflex_patch_size_probs:  # one per size: checked with the arguments
-                patch_kwargs['patch_size_choice_probs'] = args.naflex_patch_size_probs
-        else:
-            patch_kwargs['patch_size'] = model.get_patch_size()
-        loader = create_naflex_loader(
-            dataset=dataset,
-            train_seq_lens=args.naflex_train_seq_lens,
-            mixup_fn=naflex_mixup,
-            rank=args.rank,
-            world_size=args.world_size,
-            patchify_channels_last=not args.naflex_patchify_channels_first,
-            **patch_kwargs,
-            **common,
-            **train_kwargs,
-        )
+    naflex_mixup = None
+    if mix is not None:
+        from timm.data import NaFlexMixup
+        naflex_mixup = NaFlexMixup(**{k: v for k, v in mix.items() if k not in ('mode', 'cutmix_minmax')})
+    if not hasattr(model, 'get_patch_size'):
+        raise SetupError(f'--naflex-loader needs a NaFlex model (naflexvit_*) that takes patch dicts; '
+                         f'{args.model!r} takes image tensors')
+    patch_kwargs = {}
+    if args.naflex_patch_sizes:
+        patch_kwargs['patch_size_choices'] = args.naflex_patch_sizes
+        if args.naflex_patch_size_probs:  # one per size: checked with the arguments
+            patch_kwargs['patch_size_choice_probs'] = args.naflex_patch_size_probs
     else:
-        collate_fn = None
-        if mix is not None:
-            if args.prefetcher:
-                collate_fn = FastCollateMixup(**mix)
-            else:
-                mixup_fn = Mixup(**mix)
-        if args.aug_splits > 1:
-            dataset = AugMixDataset(dataset, num_splits=args.aug_splits)
-        loader = create_loader(
-            dataset,
-            input_size=data_config['input_size'],
-            input_size_choices=args.train_img_sizes,
-            batch_size_choices=args.train_batch_sizes,
-            batch_choice_weights=args.train_size_probs,
-            batch_choice_seed=args.seed,
-            batch_choice_schedule=args.train_size_schedule,
-            batch_schedule_epochs=args.epochs if args.train_size_schedule == 'progressive' else None,
-            batch_schedule_spread=args.train_size_schedule_spread,
-            batch_schedule_random_mix=args.train_size_random_mix,
-            num_batches=args.train_batches_per_epoch,
-            collate_fn=collate_fn,
-            use_multi_epochs_loader=args.use_multi_epochs_loader,
-            **common,
-            **train_kwargs,
-        )
-        if args.train_img_sizes is not None:
-            sampler = loader.batch_sampler
-            reference_batch = sampler.average_batch_size
-            if args.rank == 0:
-                _logger.info(f'Scheduled training sizes {args.train_img_sizes} with batch sizes '
-                             f'{sampler.batch_sizes}; {len(sampler)} batches/epoch, average batch '
-                             f'{reference_batch:.2f}.')
-    if len(loader) == 0:
-        raise SetupError(f'the training split has fewer samples per process than one batch of {args.batch_size} '
-                         f'(incomplete batches are dropped in training); lower -b/--batch-size')
+        patch_kwargs['patch_size'] = model.get_patch_size()
+    return create_naflex_loader(
+        dataset=dataset,
+        train_seq_lens=args.naflex_train_seq_lens,
+        mixup_fn=naflex_mixup,
+        rank=args.rank,
+        world_size=args.world_size,
+        patchify_channels_last=not args.naflex_patchify_channels_first,
+        **patch_kwargs,
+        **loader_kwargs,
+    )
+
+
+def _image_train_loader(args: argparse.Namespace, dataset: Any, data_config: dict,
+                        loader_kwargs: dict) -> Tuple[Any, Optional[Mixup], float]:
+    """The image-tensor training loader, at one size or a --train-img-sizes schedule; see `build_train_loader`."""
+    mix = mixup_kwargs(args)
+    collate_fn = mixup_fn = None
+    if mix is not None:
+        if args.prefetcher:
+            collate_fn = FastCollateMixup(**mix)
+        else:
+            mixup_fn = Mixup(**mix)
+    if args.aug_splits > 1:
+        dataset = AugMixDataset(dataset, num_splits=args.aug_splits)
+    loader = create_loader(
+        dataset,
+        input_size=data_config['input_size'],
+        input_size_choices=args.train_img_sizes,
+        batch_size_choices=args.train_batch_sizes,
+        batch_choice_weights=args.train_size_probs,
+        batch_choice_seed=args.seed,
+        batch_choice_schedule=args.train_size_schedule,
+        batch_schedule_epochs=args.epochs if args.train_size_schedule == 'progressive' else None,
+        batch_schedule_spread=args.train_size_schedule_spread,
+        batch_schedule_random_mix=args.train_size_random_mix,
+        num_batches=args.train_batches_per_epoch,
+        collate_fn=collate_fn,
+        use_multi_epochs_loader=args.use_multi_epochs_loader,
+        **loader_kwargs,
+    )
+    reference_batch = float(args.batch_size)
+    if args.train_img_sizes is not None:
+        sampler = loader.batch_sampler
+        reference_batch = sampler.average_batch_size
+        if args.rank == 0:
+            _logger.info(f'Scheduled training sizes {args.train_img_sizes} with batch sizes '
+                         f'{sampler.batch_sizes}; {len(sampler)} batches/epoch, average batch '
+                         f'{reference_batch:.2f}.')
     return loader, mixup_fn, reference_batch
 
 

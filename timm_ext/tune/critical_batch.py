@@ -11,7 +11,6 @@ The cost is what the caller asks for (micro-batch x accumulation x windows sampl
 whether the run is long enough to pay for it.
 """
 import argparse
-import copy
 import math
 import time
 from typing import Any, Iterator
@@ -25,6 +24,7 @@ from ..distributed import reduce_mean
 from ..lr import resolve_lr
 from ..train.noise_scale import bootstrap_noise_scale
 from ..train.loop import LoopConfig, TrainLoop
+from ..train.setup import with_values
 from ..train.stack import build_training_stack
 
 __all__ = ['measure_noise_scale', 'ESTIMATE_ACCUM', 'ESTIMATE_WINDOWS', 'ESTIMATE_MICRO_BATCH', 'estimate_samples']
@@ -85,10 +85,9 @@ def measure_noise_scale(args: argparse.Namespace, device: torch.device, micro_ba
         OomRecoveryError: Even one sample per step does not fit.
     """
     configure_cuda_backends(device)  # the warm-up trains in the regime of the run it plans
-    args = copy.deepcopy(args)
-    args.batch_size, args.grad_accum_steps = micro_batch, ESTIMATE_ACCUM
-    args.sync_bn = False  # it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
-    args.prefetcher = not args.no_prefetcher
+    # sync_bn off: it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
+    args = with_values(args, batch_size=micro_batch, grad_accum_steps=ESTIMATE_ACCUM, sync_bn=False,
+                       prefetcher=not args.no_prefetcher)
     world_size = args.world_size if args.distributed else 1
     utils.random_seed(args.seed, args.rank)
     lr = first_update_lr(args, micro_batch, world_size, ESTIMATE_ACCUM)
