@@ -41,7 +41,7 @@ from .search import (
     measured_trial, retime_trials, search_batch_size, select_batch_size, default_grid,
 )
 from ..train.loop import LoopConfig, TrainLoop
-from ..train.setup import SetupError, with_values
+from ..train.setup import SetupError, mixup_active, with_values
 from ..train.stack import TrainingStack, build_training_stack
 
 __all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
@@ -108,10 +108,6 @@ class TrainTrialSetup:
                                             f'{"x".join(map(str, self.eval_input_size))}')
 
 
-def _soft_targets(args: argparse.Namespace) -> bool:
-    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
-
-
 def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTrialSetup:
     """Set up the run's model, task, optimizer, EMA and AMP for training trials.
 
@@ -156,7 +152,7 @@ def _train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
     bucket_bytes = sum(p.numel() * p.element_size() for p in params) if args.world_size > 1 else 0
     splits = max(1, args.aug_splits)  # AugMix splits put `splits` views of each image into a batch
     num_classes = stack.resolved.num_classes
-    soft = _soft_targets(args)
+    soft = mixup_active(args)
     updates = [0]
 
     def step(batch_size: int) -> None:

@@ -102,7 +102,7 @@ def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] =
         (args.torchscript and args.torchcompile, '--torchscript and --torchcompile cannot be combined'),
         (args.torchscript and args.sync_bn, '--torchscript does not work with --sync-bn'),
         (args.log_wandb and args.wandb_resume_id and not args.resume, '--wandb-resume-id needs --resume'),
-        (not args.no_prefetcher and args.aug_splits and _mixup_active(args) and not args.naflex_loader,
+        (not args.no_prefetcher and args.aug_splits and mixup_active(args) and not args.naflex_loader,
          'mixup/cutmix with --aug-splits needs --no-prefetcher (the fast collate cannot de-interleave splits)'),
         (args.naflex_loader and args.aug_splits > 1, '--aug-splits does not work with --naflex-loader'),
         (any(b % batch_multiple(args) for b in [args.batch_size, *(args.train_batch_sizes or [])]),
@@ -141,21 +141,22 @@ def check_compile_backend(backend: str, device: torch.device) -> None:
         raise UsageError('--torchcompile cudagraphs needs a CUDA device; use inductor (the default) or eager')
 
 
-def _mixup_active(args: argparse.Namespace) -> bool:
+def mixup_active(args: argparse.Namespace) -> bool:
+    """Whether --mixup, --cutmix or --cutmix-minmax mixes samples (the targets are then soft)."""
     return args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
 
 
 def batch_multiple(args: argparse.Namespace) -> int:
     """What every micro-batch must be a multiple of: 2 with mixup/cutmix (each sample is mixed with another of its
     batch, so timm's mixup refuses an odd batch), else 1."""
-    return 2 if _mixup_active(args) else 1
+    return 2 if mixup_active(args) else 1
 
 
-def resolve_model_dtype(args: argparse.Namespace) -> Optional[torch.dtype]:
-    """The ``--model-dtype`` as a torch dtype, None for the default (float32); warns on float16."""
-    if not args.model_dtype:
+def resolve_model_dtype(model_dtype: Optional[str]) -> Optional[torch.dtype]:
+    """The ``--model-dtype`` name as a torch dtype, None for the default (float32); warns on float16."""
+    if not model_dtype:
         return None
-    dtype = MODEL_DTYPES[args.model_dtype]
+    dtype = MODEL_DTYPES[model_dtype]
     if dtype == torch.float16:
         _logger.warning('Training a float16 model is fragile; bfloat16 (or --amp) is the usual half precision.')
     return dtype
@@ -243,10 +244,10 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
-def input_img_mode(args: argparse.Namespace, data_config: dict) -> str:
-    """PIL mode images are read in: --input-img-mode, else RGB for 3 channels and L otherwise."""
-    if args.input_img_mode is not None:
-        return args.input_img_mode
+def input_img_mode(mode: Optional[str], data_config: dict) -> str:
+    """PIL mode images are read in: `mode` (--input-img-mode), else RGB for 3 channels and L otherwise."""
+    if mode is not None:
+        return mode
     return 'RGB' if data_config['input_size'][0] == 3 else 'L'
 
 
@@ -311,7 +312,7 @@ def _check_class_count(num_classes: Optional[int], split: str, dataset: Any) -> 
 
 def mixup_kwargs(args: argparse.Namespace) -> Optional[dict]:
     """Mixup/CutMix settings, or None when neither is on."""
-    if not _mixup_active(args):
+    if not mixup_active(args):
         return None
     return dict(
         mixup_alpha=args.mixup,
@@ -498,7 +499,7 @@ def build_train_loss(args: argparse.Namespace) -> nn.Module:
     bce = dict(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight)
     if args.jsd_loss:
         return JsdCrossEntropy(num_splits=args.aug_splits, smoothing=args.smoothing)
-    if _mixup_active(args):
+    if mixup_active(args):
         # mixup produces smoothed soft targets itself
         return BinaryCrossEntropy(**bce) if args.bce_loss else SoftTargetCrossEntropy()
     if args.smoothing:

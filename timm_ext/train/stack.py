@@ -84,9 +84,9 @@ class TrainingStack:
     resolved: ResolvedArgs
 
 
-def _build_data(args: argparse.Namespace, data_config: dict, device: torch.device, model_dtype, model,
-                with_eval: bool) -> DataStack:
-    dataset_train, dataset_eval = build_datasets(args, input_img_mode(args, data_config))
+def _build_data(args: argparse.Namespace, data_config: dict, device: torch.device, model_dtype: Optional[torch.dtype],
+                model: torch.nn.Module, with_eval: bool) -> DataStack:
+    dataset_train, dataset_eval = build_datasets(args, input_img_mode(args.input_img_mode, data_config))
     loader_train, mixup_fn, reference_batch = build_train_loader(args, dataset_train, data_config, device,
                                                                  model_dtype, model)
     loader_eval = None
@@ -122,7 +122,7 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
     """
     if lr is None and not with_data:
         raise ValueError('the LR rule needs the training loader: pass lr= or with_data=True')
-    model_dtype = resolve_model_dtype(args)
+    model_dtype = resolve_model_dtype(args.model_dtype)
     amp = resolve_amp(device, args.amp, args.amp_dtype)
     model, num_classes = build_model(args, device, model_dtype)
     resolved = resolve_args(args, num_classes)

@@ -1,14 +1,15 @@
 """A short, measured estimate of the gradient noise scale B_noise on the real run, for choosing the global batch.
 
 `measure_noise_scale` trains a few accumulation windows of the real run (train.py's builder and loop, real data,
-the LR of the run's first updates) with the noise-scale monitor on (`timm_ext.train.noise_monitor`): each micro-batch's
-gradient against its window's gives one two-batch estimate of |G|² and tr(Σ) (McCandlish et al. 2018). The estimate
-is B_simple = tr(Σ) / |G|² with a bootstrap interval over windows (`timm_ext.train.noise_scale.bootstrap_noise_scale`), so a
-noisy reading shows as a wide range. It is read at the start of training, where B_noise is smallest (it grows as
-training proceeds, Merrill et al. 2025): a conservative reading for choosing a bigger batch.
+the LR of the run's first updates) with the noise-scale monitor on (`timm_ext.train.noise_monitor`): each
+micro-batch's gradient against its window's gives one two-batch estimate of |G|² and tr(Σ) (McCandlish et al. 2018).
+The estimate is B_simple = tr(Σ) / |G|² with a bootstrap interval over windows
+(`timm_ext.train.noise_scale.bootstrap_noise_scale`), so a noisy reading shows as a wide range. It is read at the start
+of training, where B_noise is smallest (it grows as training proceeds, Merrill et al. 2025): a conservative reading for
+choosing a bigger batch.
 
-The cost is what the caller asks for (micro-batch x accumulation x windows samples); `timm_ext.tune.batch_choice` decides
-whether the run is long enough to pay for it.
+The cost is what the caller asks for (micro-batch x accumulation x windows samples); `timm_ext.tune.batch_choice`
+decides whether the run is long enough to pay for it.
 """
 import argparse
 import math
