@@ -120,6 +120,7 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
         set_fast_norm()
 
     stack = build_training_stack(args, device, resumed=resumed, verbose=primary)
+    vars(args).update(dataclasses.asdict(stack.resolved))  # args as stock keeps them: checkpoints hold these values
     task, optimizer, amp, model_dtype, grad_scaler = (stack.task, stack.optimizer, stack.amp, stack.model_dtype,
                                                       stack.grad_scaler)
     data_config, data = stack.data_config, stack.data

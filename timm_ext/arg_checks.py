@@ -10,9 +10,9 @@ the command line or from a config file::
 The domains keep every value stock timm accepts and does something sensible with (`--aug-splits 0` is off,
 `--mean 0.5` is broadcast to every channel, `--seed 0` seeds); they refuse what stock crashes on later (a
 traceback deep in the model, the loader or the scheduler) or silently trains on (a NaN learning rate, a clipping
-threshold of 0, a mixup probability of 3). The checks of file and folder inputs shared by the scripts live here too (`folder_problem`,
-`writable_file_problem`, `split_problem`); what only training refuses is in `timm_ext.train.input_checks`, and
-validate.py's table in `timm_ext.validate.args`.
+threshold of 0, a mixup probability of 3). The checks of file and folder inputs shared by the scripts live here too
+(`folder_problem`, `writable_file_problem`, `split_problem`); what only training refuses is in
+`timm_ext.train.input_checks`, and validate.py's table in `timm_ext.validate.args`.
 """
 import argparse
 import math

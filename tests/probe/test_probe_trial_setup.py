@@ -27,11 +27,23 @@ def rank0_of_two(*argv: str):
 def test_sync_bn_run_is_probed_with_plain_batchnorm():
     args = rank0_of_two('--sync-bn')
     with pytest.raises(UsageError, match='--sync-bn'):  # the run's own model would be converted (CPU refuses it)
-        build_model(copy.deepcopy(args), CPU, None)
+        build_model(args, CPU, None)
     setup = build_train_trial(args, CPU)
     assert 'SyncBN probed as BN' in setup.describe
     setup.step(2)  # a real update with plain BN
     assert args.sync_bn, 'the caller\'s arguments are left alone'
+
+
+def test_a_trial_leaves_the_callers_arguments_as_they_were():
+    # no --num-classes: the trial's targets use the model's own class count, which stock would write into args
+    args, _ = parse_args(['--model', 'test_resnet', '--img-size', '32', '--device', 'cpu', '--sync-bn', '--amp',
+                          '--model-kwargs', 'stem_width=8'])
+    args.distributed, args.world_size, args.rank, args.local_rank = True, 2, 0, 0
+    before = copy.deepcopy(vars(args))
+    setup = build_train_trial(args, CPU)
+    setup.step(2)
+    setup.eval_trials().step(2)
+    assert vars(args) == before
 
 
 def adam_state_after_one_update(scaler: torch.amp.GradScaler) -> int:

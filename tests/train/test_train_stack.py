@@ -1,11 +1,13 @@
 """The one builder of the training stack: what train.py, the probe trial and the noise-scale estimate build agrees."""
+import copy
+
 import pytest
 import torch
 
 from timm_ext.distributed import init_device
 from timm_ext.train.args import parse_args
-from timm_ext.train.setup import UsageError
-from timm_ext.train.stack import build_training_stack
+from timm_ext.train.setup import UsageError, resolve_args
+from timm_ext.train.stack import ResolvedArgs, build_training_stack
 
 
 def args_of(image_folder, *argv):
@@ -25,6 +27,29 @@ def test_lr_follows_train_rule_from_the_loader_and_args_are_left_alone(image_fol
     assert stack.optimizer.param_groups[0]['lr'] == pytest.approx(stack.lr)
     assert stack.data.reference_batch == 8 and len(stack.data.loader_train) == 3  # 24 images, drop_last
     assert stack.data.loader_eval is not None and stack.task.has_ema()
+
+
+def test_what_the_build_settles_comes_back_and_the_arguments_stay_as_given(image_folder):
+    # no --num-classes and the positional DIR: stock writes the model's class count and the folder into its args
+    args, _ = parse_args([str(image_folder), '--model', 'test_resnet', '--img-size', '32', '--device', 'cpu',
+                          '-j', '0', '-b', '8', '--mixup', '0.5', '--opt-kwargs', 'eps=1e-6'])
+    init_device(args)
+    args.prefetcher = not args.no_prefetcher
+    before = copy.deepcopy(vars(args))
+    stack = build_training_stack(args, torch.device('cpu'))
+    assert vars(args) == before, 'the builder must not write into the arguments, nor into their lists and dicts'
+    assert stack.resolved == ResolvedArgs(num_classes=stack.model.num_classes, dist_bn='reduce',
+                                          data_dir=str(image_folder))
+    assert stack.model.num_classes == 1000 and args.num_classes is None and args.data_dir is None
+
+
+def test_distributed_sync_bn_resolves_dist_bn_to_nothing_and_given_values_win(image_folder):
+    args, _ = parse_args(['--data-dir', str(image_folder), str(image_folder / 'train'), '--sync-bn',
+                          '--num-classes', '3'])
+    args.distributed = False
+    assert resolve_args(args, 3) == ResolvedArgs(num_classes=3, dist_bn='reduce', data_dir=str(image_folder))
+    args.distributed = True
+    assert resolve_args(args, 3).dist_bn == '' and args.dist_bn == 'reduce'
 
 
 def test_probe_and_estimate_variants_build_the_same_model_and_optimizer(image_folder):

@@ -1,4 +1,5 @@
 """The short noise-scale measurement on a real tiny run, and tune_batch.py --select critical judging bigger batches."""
+import copy
 import importlib
 import re
 
@@ -25,7 +26,9 @@ def test_measurement_on_a_real_run_gives_a_positive_estimate_with_a_spread(tmp_p
     args = args_of('--data-dir', str(data), '--seed', '3')
     device = init_device(args)
     torch.manual_seed(0)
+    before = copy.deepcopy(vars(args))
     got = measure_noise_scale(args, device, micro_batch=4)  # 64 micro-batches of 4: cycles over 96 images
+    assert vars(args) == before, 'the estimate trains its own micro-batch and accumulation, not the caller\'s'
     assert got.windows == ESTIMATE_WINDOWS and got.samples == estimate_samples(4, 1) == 4 * ESTIMATE_ACCUM * 16
     assert got.found and got.low <= got.b_noise <= got.high, got.describe()
     assert f'B_noise ≈ {got.b_noise:.0f} samples' in got.describe() and 'bootstrap over 16 windows' in got.describe()

@@ -27,7 +27,6 @@ evaluates between epochs; tune_batch.py probes it for `validation_batch_size`.
 (throughput choice), choice.
 """
 import argparse
-import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -42,8 +41,8 @@ from .search import (
     measured_trial, retime_trials, search_batch_size, select_batch_size, default_grid,
 )
 from ..train.loop import LoopConfig, TrainLoop
-from ..train.setup import SetupError
-from ..train.stack import build_training_stack
+from ..train.setup import SetupError, mixup_active, with_values
+from ..train.stack import TrainingStack, build_training_stack
 
 __all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
            'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE']
@@ -109,10 +108,6 @@ class TrainTrialSetup:
                                             f'{"x".join(map(str, self.eval_input_size))}')
 
 
-def _soft_targets(args: argparse.Namespace) -> bool:
-    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
-
-
 def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTrialSetup:
     """Set up the run's model, task, optimizer, EMA and AMP for training trials.
 
@@ -121,30 +116,43 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     Raises:
         SetupError: The run cannot be built (unknown model, ...) or is a mode the probe does not cover (NaFlex).
     """
-    args = copy.deepcopy(args)
-    sync_bn_asked = args.sync_bn and args.distributed
-    args.sync_bn = False  # no collective inside a trial; the memory is plain BN's but for SyncBN's tiny buffers
     if getattr(args, 'naflex_loader', False):
         raise SetupError('--naflex-loader runs take variable patch sequences; the probe covers fixed-size inputs, '
                          'so pass -b/--batch-size yourself')
     compile_mode = probe_compile_mode(args.torchcompile_mode)
-    # the value of the LR does not change memory; the optimizer factory needs one
-    stack = build_training_stack(args, device, lr=args.lr or args.lr_base, with_data=False,
-                                 compile_mode=compile_mode, ddp=False)
-    task, optimizer, amp, model_dtype = stack.task, stack.optimizer, stack.amp, stack.model_dtype
-    input_size = probe_input_size(args, stack.data_config)
+    # no collective inside a trial: SyncBN is probed as plain BN, whose memory lacks only SyncBN's tiny buffers; the
+    # value of the LR does not change memory, but the optimizer factory needs one
+    stack = build_training_stack(with_values(args, sync_bn=False), device, lr=args.lr or args.lr_base,
+                                 with_data=False, compile_mode=compile_mode, ddp=False)
     loop = TrainLoop(
-        task, optimizer,
+        stack.task, stack.optimizer,
         LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
-                   channels_last=args.channels_last, model_dtype=model_dtype, prefetcher=True),
-        amp_autocast=amp.autocast,
+                   channels_last=args.channels_last, model_dtype=stack.model_dtype, prefetcher=True),
+        amp_autocast=stack.amp.autocast,
     )
+    input_size = probe_input_size(args, stack.data_config)
+    step = _train_step(args, stack, loop, input_size, device)
+    eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
+
+    def reset() -> None:
+        stack.optimizer.zero_grad(set_to_none=True)
+        stack.optimizer.state.clear()
+        loop.grad_scaler = probe_grad_scaler(device) if stack.amp.use_grad_scaler else None
+
+    return TrainTrialSetup(step, reset, tuple(input_size), _describe_trial(args, stack, input_size, compile_mode),
+                           device, _eval_step(args, stack, step, eval_input_size, device), eval_input_size)
+
+
+def _train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
+                input_size: Tuple[int, ...], device: torch.device) -> Callable[[int], None]:
+    """One training update of random inputs at a batch size, holding what DDP would hold besides."""
+    task, model_dtype = stack.task, stack.model_dtype
     params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
     # DDP keeps its gradient buckets, about one more copy of the gradients, for the whole run
     bucket_bytes = sum(p.numel() * p.element_size() for p in params) if args.world_size > 1 else 0
     splits = max(1, args.aug_splits)  # AugMix splits put `splits` views of each image into a batch
-    num_classes = args.num_classes
-    soft = _soft_targets(args)
+    num_classes = stack.resolved.num_classes
+    soft = mixup_active(args)
     updates = [0]
 
     def step(batch_size: int) -> None:
@@ -162,13 +170,18 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
         task.update_ema(step=updates[0])
         del buckets
 
-    eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
-    eval_model = task.get_eval_model()
+    return step
+
+
+def _eval_step(args: argparse.Namespace, stack: TrainingStack, train_step: Callable[[int], None],
+               eval_input_size: Tuple[int, ...], device: torch.device) -> Callable[[int], None]:
+    """One evaluation forward of random inputs at a batch size, as train.py evaluates between epochs."""
+    eval_model, model_dtype, optimizer = stack.task.get_eval_model(), stack.model_dtype, stack.optimizer
     prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
 
     def eval_step(batch_size: int) -> None:
         if not optimizer.state:  # train.py evaluates with the optimizer state allocated: a tiny update makes it
-            step(2)  # (batch norm needs 2 samples)
+            train_step(2)  # (batch norm needs 2 samples)
         shape = (batch_size,) + eval_input_size
         held = [torch.randn(shape, device=device, dtype=model_dtype) for _ in range(prefetched)]
         input = torch.randn(shape, device=device, dtype=model_dtype)
@@ -176,26 +189,28 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
             input = input.contiguous(memory_format=torch.channels_last)
         eval_model.eval()
         try:
-            with torch.inference_mode(), amp.autocast():
+            with torch.inference_mode(), stack.amp.autocast():
                 eval_model(input)
         finally:
             eval_model.train()
         del input, held
 
-    def reset() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()
-        loop.grad_scaler = probe_grad_scaler(device) if amp.use_grad_scaler else None
+    return eval_step
 
-    precision = f'AMP {amp.dtype}'.replace('torch.', '') if amp.enabled else str(model_dtype or 'float32')
+
+def _describe_trial(args: argparse.Namespace, stack: TrainingStack, input_size: Tuple[int, ...],
+                    compile_mode: Optional[str]) -> str:
+    """One line naming the model, input, precision, optimizer and what the trial changes from the run."""
+    amp = stack.amp
+    precision = f'AMP {amp.dtype}'.replace('torch.', '') if amp.enabled else str(stack.model_dtype or 'float32')
     graphs_dropped = bool(args.torchcompile) and compile_mode != args.torchcompile_mode
+    sync_bn_asked = args.sync_bn and args.distributed
     extras = [x for x, on in (('channels_last', args.channels_last), ('grad checkpointing', args.grad_checkpointing),
                               ('EMA', args.model_ema), ('torch.compile', args.torchcompile),
                               ('no CUDA graphs in trials', graphs_dropped),
                               ('SyncBN probed as BN', sync_bn_asked)) if on]
-    describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
-                + (', ' + ', '.join(extras) if extras else ''))
-    return TrainTrialSetup(step, reset, tuple(input_size), describe, device, eval_step, eval_input_size)
+    return (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
+            + (', ' + ', '.join(extras) if extras else ''))
 
 
 @dataclass

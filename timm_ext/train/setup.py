@@ -6,8 +6,10 @@ work) into :class:`UsageError` (exit status 2) or :class:`SetupError` (exit stat
 before any output is written.
 """
 import argparse
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -29,6 +31,50 @@ _logger = logging.getLogger('train')
 
 class SetupError(TimmExtError):
     """A run that cannot be set up: missing data, unknown model, unusable weights (exit status 1)."""
+
+
+def with_values(args: argparse.Namespace, **values: Any) -> argparse.Namespace:
+    """A copy of `args` with `values` in place of its own (`args` is left alone).
+
+    The copy is shallow: the builders read list and dict values (--model-kwargs, --opt-kwargs) but never change them.
+    """
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+@dataclass(frozen=True)
+class ResolvedArgs:
+    """What train.py's flags leave open and the build settles, as the run's own arguments record it.
+
+    Stock train.py writes these into its namespace, so its checkpoints and args hold them; the builders here leave the
+    namespace alone and return them instead, for train.py to copy into the arguments it saves.
+
+    Attributes:
+        num_classes: --num-classes, else the model's own.
+        dist_bn: --dist-bn, or '' when distributed --sync-bn keeps the statistics in step (nothing to distribute).
+        data_dir: --data-dir, else the deprecated positional DIR.
+    """
+    num_classes: int
+    dist_bn: str
+    data_dir: Optional[str]
+
+    def applied_to(self, args: argparse.Namespace) -> argparse.Namespace:
+        """A copy of `args` holding these values, for the builders that read them after the model."""
+        return with_values(args, **dataclasses.asdict(self))
+
+
+def resolve_args(args: argparse.Namespace, num_classes: int) -> ResolvedArgs:
+    """The run's resolved values, given the model's class count (`build_model`)."""
+    return ResolvedArgs(num_classes=num_classes, dist_bn=resolve_dist_bn(args), data_dir=resolve_data_dir(args))
+
+
+def resolve_dist_bn(args: argparse.Namespace) -> str:
+    """--dist-bn, or '' under distributed --sync-bn: synced statistics need no end-of-epoch distribution."""
+    return '' if args.distributed and args.sync_bn else args.dist_bn
+
+
+def resolve_data_dir(args: argparse.Namespace) -> Optional[str]:
+    """--data-dir, else the deprecated positional DIR."""
+    return args.data if args.data and not args.data_dir else args.data_dir
 
 
 def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
@@ -56,7 +102,7 @@ def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] =
         (args.torchscript and args.torchcompile, '--torchscript and --torchcompile cannot be combined'),
         (args.torchscript and args.sync_bn, '--torchscript does not work with --sync-bn'),
         (args.log_wandb and args.wandb_resume_id and not args.resume, '--wandb-resume-id needs --resume'),
-        (not args.no_prefetcher and args.aug_splits and _mixup_active(args) and not args.naflex_loader,
+        (not args.no_prefetcher and args.aug_splits and mixup_active(args) and not args.naflex_loader,
          'mixup/cutmix with --aug-splits needs --no-prefetcher (the fast collate cannot de-interleave splits)'),
         (args.naflex_loader and args.aug_splits > 1, '--aug-splits does not work with --naflex-loader'),
         (any(b % batch_multiple(args) for b in [args.batch_size, *(args.train_batch_sizes or [])]),
@@ -95,28 +141,33 @@ def check_compile_backend(backend: str, device: torch.device) -> None:
         raise UsageError('--torchcompile cudagraphs needs a CUDA device; use inductor (the default) or eager')
 
 
-def _mixup_active(args: argparse.Namespace) -> bool:
+def mixup_active(args: argparse.Namespace) -> bool:
+    """Whether --mixup, --cutmix or --cutmix-minmax mixes samples (the targets are then soft)."""
     return args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
 
 
 def batch_multiple(args: argparse.Namespace) -> int:
     """What every micro-batch must be a multiple of: 2 with mixup/cutmix (each sample is mixed with another of its
     batch, so timm's mixup refuses an odd batch), else 1."""
-    return 2 if _mixup_active(args) else 1
+    return 2 if mixup_active(args) else 1
 
 
-def resolve_model_dtype(args: argparse.Namespace) -> Optional[torch.dtype]:
-    """The ``--model-dtype`` as a torch dtype, None for the default (float32); warns on float16."""
-    if not args.model_dtype:
+def resolve_model_dtype(model_dtype: Optional[str]) -> Optional[torch.dtype]:
+    """The ``--model-dtype`` name as a torch dtype, None for the default (float32); warns on float16."""
+    if not model_dtype:
         return None
-    dtype = MODEL_DTYPES[args.model_dtype]
+    dtype = MODEL_DTYPES[model_dtype]
     if dtype == torch.float16:
         _logger.warning('Training a float16 model is fragile; bfloat16 (or --amp) is the usual half precision.')
     return dtype
 
 
-def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Optional[torch.dtype]) -> nn.Module:
+def build_model(args: argparse.Namespace, device: torch.device,
+                model_dtype: Optional[torch.dtype]) -> Tuple[nn.Module, int]:
     """Create the model as stock does (head init, grad checkpointing, split/sync BN, device, dtype, layout).
+
+    Returns:
+        (model, its class count: --num-classes, else the model's own).
 
     Raises:
         SetupError: Unknown model name, unreadable --initial-checkpoint / --pretrained-path, weights not loadable.
@@ -157,10 +208,11 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
             model.get_classifier().bias.mul_(args.head_init_scale)
     if args.head_init_bias is not None:
         nn.init.constant_(model.get_classifier().bias, args.head_init_bias)
-    if args.num_classes is None:
+    num_classes = args.num_classes
+    if num_classes is None:
         if not hasattr(model, 'num_classes'):
             raise SetupError(f'model {name!r} has no num_classes; pass --num-classes')
-        args.num_classes = model.num_classes
+        num_classes = model.num_classes
     if args.grad_checkpointing:
         try:
             model.set_grad_checkpointing(enable=True)
@@ -176,7 +228,6 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
         if device.type == 'cpu':
             raise UsageError('--sync-bn needs accelerator devices (torch SyncBatchNorm refuses CPU modules); '
                              'drop it, --dist-bn reduce averages BN statistics after each epoch instead')
-        args.dist_bn = ''  # synced statistics need no end-of-epoch distribution
         model = convert_sync_batchnorm(model)
         if args.rank == 0:
             _logger.info('Converted model to use synchronized BatchNorm (zero-initialized BN layers may misbehave).')
@@ -185,7 +236,7 @@ def build_model(args: argparse.Namespace, device: torch.device, model_dtype: Opt
             model = torch.jit.script(model)
         except Exception as e:  # torchscript reports failures with many exception types
             raise SetupError(f'--torchscript cannot script {name!r}: {_first_line(e)}') from None
-    return model
+    return model, num_classes
 
 
 def _first_line(e: BaseException) -> str:
@@ -193,10 +244,10 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
-def input_img_mode(args: argparse.Namespace, data_config: dict) -> str:
-    """PIL mode images are read in: --input-img-mode, else RGB for 3 channels and L otherwise."""
-    if args.input_img_mode is not None:
-        return args.input_img_mode
+def input_img_mode(mode: Optional[str], data_config: dict) -> str:
+    """PIL mode images are read in: `mode` (--input-img-mode), else RGB for 3 channels and L otherwise."""
+    if mode is not None:
+        return mode
     return 'RGB' if data_config['input_size'][0] == 3 else 'L'
 
 
@@ -208,22 +259,23 @@ def _is_local_dataset(name: str) -> bool:
 def build_datasets(args: argparse.Namespace, img_mode: str) -> Tuple[Any, Any]:
     """Train and (when --val-split is set) eval datasets via ``timm.data.create_dataset``.
 
+    The class count checked against the splits' folders is ``args.num_classes`` (when set).
+
     Raises:
         SetupError: No --data-dir, a missing data folder, or a split without images.
     """
-    if args.data and not args.data_dir:
-        args.data_dir = args.data
+    data_dir = resolve_data_dir(args)
     if _is_local_dataset(args.dataset):
-        if not args.data_dir:
+        if not data_dir:
             raise SetupError('no dataset given; pass --data-dir DIR (a folder with train/ and validation/)')
-        if not os.path.exists(args.data_dir):
-            raise SetupError(f'data folder not found: {args.data_dir}; pass an existing --data-dir')
+        if not os.path.exists(data_dir):
+            raise SetupError(f'data folder not found: {data_dir}; pass an existing --data-dir')
 
     def make(split: str, is_training: bool, num_samples: Optional[int], **train_only):
         try:
             return create_dataset(
                 args.dataset,
-                root=args.data_dir,
+                root=data_dir,
                 split=split,
                 is_training=is_training,
                 class_map=args.class_map,
@@ -237,7 +289,7 @@ def build_datasets(args: argparse.Namespace, img_mode: str) -> Tuple[Any, Any]:
                 **train_only,
             )
         except (RuntimeError, OSError, ValueError, AssertionError, ImportError) as e:
-            where = args.data_dir or args.dataset
+            where = data_dir or args.dataset
             raise SetupError(f'cannot read the {split!r} split of {where}: {_first_line(e)}') from None
 
     dataset_train = make(args.train_split, True, args.train_num_samples, seed=args.seed, repeats=args.epoch_repeats)
@@ -260,7 +312,7 @@ def _check_class_count(num_classes: Optional[int], split: str, dataset: Any) -> 
 
 def mixup_kwargs(args: argparse.Namespace) -> Optional[dict]:
     """Mixup/CutMix settings, or None when neither is on."""
-    if not _mixup_active(args):
+    if not mixup_active(args):
         return None
     return dict(
         mixup_alpha=args.mixup,
@@ -303,11 +355,25 @@ def build_train_loader(
     """
     if args.aa:
         patch_posterize()  # timm's increasing posterize reaches 0 bits, which current Pillow refuses
+    loader_kwargs = dict(**_loader_common(args, data_config, device, model_dtype),
+                         **_train_augment_kwargs(args, data_config))
+    if args.naflex_loader:  # NaFlex mixes inside the loader, so the loop has no mixup_fn
+        loader = _naflex_train_loader(args, dataset, model, loader_kwargs)
+        mixup_fn, reference_batch = None, float(args.batch_size)
+    else:
+        loader, mixup_fn, reference_batch = _image_train_loader(args, dataset, data_config, loader_kwargs)
+    if len(loader) == 0:
+        raise SetupError(f'the training split has fewer samples per process than one batch of {args.batch_size} '
+                         f'(incomplete batches are dropped in training); lower -b/--batch-size')
+    return loader, mixup_fn, reference_batch
+
+
+def _train_augment_kwargs(args: argparse.Namespace, data_config: dict) -> dict:
+    """The training loader's batch, augmentation and worker settings, shared by the standard and NaFlex loaders."""
     train_interpolation = args.train_interpolation
     if args.no_aug or not train_interpolation:
         train_interpolation = data_config['interpolation']
-    common = _loader_common(args, data_config, device, model_dtype)
-    train_kwargs = dict(
+    return dict(
         batch_size=args.batch_size,
         is_training=True,
         no_aug=args.no_aug,
@@ -331,71 +397,73 @@ def build_train_loader(
         num_workers=args.workers,
         worker_seeding=args.worker_seeding,
     )
+
+
+def _naflex_train_loader(args: argparse.Namespace, dataset: Any, model: nn.Module, loader_kwargs: dict) -> Any:
+    """The NaFlex training loader: variable patch sequences, mixup inside the loader."""
     mix = mixup_kwargs(args)
-    mixup_fn = None
-    reference_batch = float(args.batch_size)
-    if args.naflex_loader:
-        naflex_mixup = None
-        if mix is not None:
-            from timm.data import NaFlexMixup
-            naflex_mixup = NaFlexMixup(**{k: v for k, v in mix.items() if k not in ('mode', 'cutmix_minmax')})
-        if not hasattr(model, 'get_patch_size'):
-            raise SetupError(f'--naflex-loader needs a NaFlex model (naflexvit_*) that takes patch dicts; '
-                             f'{args.model!r} takes image tensors')
-        patch_kwargs = {}
-        if args.naflex_patch_sizes:
-            patch_kwargs['patch_size_choices'] = args.naflex_patch_sizes
-            if args.naflex_patch_size_probs:  # one per size: checked with the arguments
-                patch_kwargs['patch_size_choice_probs'] = args.naflex_patch_size_probs
-        else:
-            patch_kwargs['patch_size'] = model.get_patch_size()
-        loader = create_naflex_loader(
-            dataset=dataset,
-            train_seq_lens=args.naflex_train_seq_lens,
-            mixup_fn=naflex_mixup,
-            rank=args.rank,
-            world_size=args.world_size,
-            patchify_channels_last=not args.naflex_patchify_channels_first,
-            **patch_kwargs,
-            **common,
-            **train_kwargs,
-        )
+    naflex_mixup = None
+    if mix is not None:
+        from timm.data import NaFlexMixup
+        naflex_mixup = NaFlexMixup(**{k: v for k, v in mix.items() if k not in ('mode', 'cutmix_minmax')})
+    if not hasattr(model, 'get_patch_size'):
+        raise SetupError(f'--naflex-loader needs a NaFlex model (naflexvit_*) that takes patch dicts; '
+                         f'{args.model!r} takes image tensors')
+    patch_kwargs = {}
+    if args.naflex_patch_sizes:
+        patch_kwargs['patch_size_choices'] = args.naflex_patch_sizes
+        if args.naflex_patch_size_probs:  # one per size: checked with the arguments
+            patch_kwargs['patch_size_choice_probs'] = args.naflex_patch_size_probs
     else:
-        collate_fn = None
-        if mix is not None:
-            if args.prefetcher:
-                collate_fn = FastCollateMixup(**mix)
-            else:
-                mixup_fn = Mixup(**mix)
-        if args.aug_splits > 1:
-            dataset = AugMixDataset(dataset, num_splits=args.aug_splits)
-        loader = create_loader(
-            dataset,
-            input_size=data_config['input_size'],
-            input_size_choices=args.train_img_sizes,
-            batch_size_choices=args.train_batch_sizes,
-            batch_choice_weights=args.train_size_probs,
-            batch_choice_seed=args.seed,
-            batch_choice_schedule=args.train_size_schedule,
-            batch_schedule_epochs=args.epochs if args.train_size_schedule == 'progressive' else None,
-            batch_schedule_spread=args.train_size_schedule_spread,
-            batch_schedule_random_mix=args.train_size_random_mix,
-            num_batches=args.train_batches_per_epoch,
-            collate_fn=collate_fn,
-            use_multi_epochs_loader=args.use_multi_epochs_loader,
-            **common,
-            **train_kwargs,
-        )
-        if args.train_img_sizes is not None:
-            sampler = loader.batch_sampler
-            reference_batch = sampler.average_batch_size
-            if args.rank == 0:
-                _logger.info(f'Scheduled training sizes {args.train_img_sizes} with batch sizes '
-                             f'{sampler.batch_sizes}; {len(sampler)} batches/epoch, average batch '
-                             f'{reference_batch:.2f}.')
-    if len(loader) == 0:
-        raise SetupError(f'the training split has fewer samples per process than one batch of {args.batch_size} '
-                         f'(incomplete batches are dropped in training); lower -b/--batch-size')
+        patch_kwargs['patch_size'] = model.get_patch_size()
+    return create_naflex_loader(
+        dataset=dataset,
+        train_seq_lens=args.naflex_train_seq_lens,
+        mixup_fn=naflex_mixup,
+        rank=args.rank,
+        world_size=args.world_size,
+        patchify_channels_last=not args.naflex_patchify_channels_first,
+        **patch_kwargs,
+        **loader_kwargs,
+    )
+
+
+def _image_train_loader(args: argparse.Namespace, dataset: Any, data_config: dict,
+                        loader_kwargs: dict) -> Tuple[Any, Optional[Mixup], float]:
+    """The image-tensor training loader, at one size or a --train-img-sizes schedule; see `build_train_loader`."""
+    mix = mixup_kwargs(args)
+    collate_fn = mixup_fn = None
+    if mix is not None:
+        if args.prefetcher:
+            collate_fn = FastCollateMixup(**mix)
+        else:
+            mixup_fn = Mixup(**mix)
+    if args.aug_splits > 1:
+        dataset = AugMixDataset(dataset, num_splits=args.aug_splits)
+    loader = create_loader(
+        dataset,
+        input_size=data_config['input_size'],
+        input_size_choices=args.train_img_sizes,
+        batch_size_choices=args.train_batch_sizes,
+        batch_choice_weights=args.train_size_probs,
+        batch_choice_seed=args.seed,
+        batch_choice_schedule=args.train_size_schedule,
+        batch_schedule_epochs=args.epochs if args.train_size_schedule == 'progressive' else None,
+        batch_schedule_spread=args.train_size_schedule_spread,
+        batch_schedule_random_mix=args.train_size_random_mix,
+        num_batches=args.train_batches_per_epoch,
+        collate_fn=collate_fn,
+        use_multi_epochs_loader=args.use_multi_epochs_loader,
+        **loader_kwargs,
+    )
+    reference_batch = float(args.batch_size)
+    if args.train_img_sizes is not None:
+        sampler = loader.batch_sampler
+        reference_batch = sampler.average_batch_size
+        if args.rank == 0:
+            _logger.info(f'Scheduled training sizes {args.train_img_sizes} with batch sizes '
+                         f'{sampler.batch_sizes}; {len(sampler)} batches/epoch, average batch '
+                         f'{reference_batch:.2f}.')
     return loader, mixup_fn, reference_batch
 
 
@@ -431,7 +499,7 @@ def build_train_loss(args: argparse.Namespace) -> nn.Module:
     bce = dict(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight)
     if args.jsd_loss:
         return JsdCrossEntropy(num_splits=args.aug_splits, smoothing=args.smoothing)
-    if _mixup_active(args):
+    if mixup_active(args):
         # mixup produces smoothed soft targets itself
         return BinaryCrossEntropy(**bce) if args.bce_loss else SoftTargetCrossEntropy()
     if args.smoothing:

@@ -24,11 +24,11 @@ from ..amp import AmpChoice, resolve_amp
 from ..distributed import ddp_device_ids
 from ..lr import LrChoice, resolve_lr
 from .setup import (
-    build_datasets, build_eval_loader, build_model, build_task, build_train_loader, build_train_loss,
-    check_compile_backend, input_img_mode, resolve_model_dtype,
+    ResolvedArgs, build_datasets, build_eval_loader, build_model, build_task, build_train_loader, build_train_loss,
+    check_compile_backend, input_img_mode, resolve_args, resolve_model_dtype, with_values,
 )
 
-__all__ = ['DataStack', 'TrainingStack', 'build_training_stack']
+__all__ = ['DataStack', 'ResolvedArgs', 'TrainingStack', 'build_training_stack']
 
 _logger = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class TrainingStack:
         lr_choice: How the LR was reached (None when the caller fixed it).
         grad_scaler: The float16 loss scaler when the precision needs one (stock's), else None.
         data: Datasets and loaders (None when not asked for).
+        resolved: The values the build settled that the run's arguments record (class count, --dist-bn, data
+            folder); train.py copies them into the arguments its checkpoints save.
     """
     model: torch.nn.Module
     task: Any
@@ -79,11 +81,12 @@ class TrainingStack:
     lr_choice: Optional[LrChoice]
     grad_scaler: Optional[torch.amp.GradScaler]
     data: Optional[DataStack]
+    resolved: ResolvedArgs
 
 
-def _build_data(args: argparse.Namespace, data_config: dict, device: torch.device, model_dtype, model,
-                with_eval: bool) -> DataStack:
-    dataset_train, dataset_eval = build_datasets(args, input_img_mode(args, data_config))
+def _build_data(args: argparse.Namespace, data_config: dict, device: torch.device, model_dtype: Optional[torch.dtype],
+                model: torch.nn.Module, with_eval: bool) -> DataStack:
+    dataset_train, dataset_eval = build_datasets(args, input_img_mode(args.input_img_mode, data_config))
     loader_train, mixup_fn, reference_batch = build_train_loader(args, dataset_train, data_config, device,
                                                                  model_dtype, model)
     loader_eval = None
@@ -100,7 +103,7 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
     """Build the run described by `args` (train.py's namespace after `init_device`).
 
     Args:
-        args: The run's arguments (not modified).
+        args: The run's arguments (not modified: what the build settles comes back in `TrainingStack.resolved`).
         device: The device to train on.
         lr: A fixed LR for the optimizer; None: train.py's rule from --lr / --lr-base and the loader's reference
             batch (needs `with_data`).
@@ -119,9 +122,11 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
     """
     if lr is None and not with_data:
         raise ValueError('the LR rule needs the training loader: pass lr= or with_data=True')
-    model_dtype = resolve_model_dtype(args)
+    model_dtype = resolve_model_dtype(args.model_dtype)
     amp = resolve_amp(device, args.amp, args.amp_dtype)
-    model = build_model(args, device, model_dtype)
+    model, num_classes = build_model(args, device, model_dtype)
+    resolved = resolve_args(args, num_classes)
+    args = resolved.applied_to(args)  # what stock's builders read after the model: its class count, the data folder
     if verbose:
         _logger.info(f'Model {args.model} created, param count: {sum(p.numel() for p in model.parameters())}')
         _logger.info(amp.message)
@@ -139,8 +144,7 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
                 _logger.info(lr_choice.hint)
 
     task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
-    optimizer_cfg = argparse.Namespace(**{**vars(args), 'lr': lr})
-    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=optimizer_cfg),
+    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=with_values(args, lr=lr)),
                                     **args.opt_kwargs)
     if verbose:
         _logger.info(f'Created {type(optimizer).__name__} ({args.opt}) optimizer, lr {lr:g}, '
@@ -165,4 +169,5 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
         # broadcast_buffers is DDP's default; naming it only to turn it off avoids torch's deprecation warning
         ddp_kwargs = {'broadcast_buffers': False} if args.no_ddp_bb else {}
         task.prepare_distributed(device_ids=ddp_device_ids(device), **ddp_kwargs)
-    return TrainingStack(model, task, optimizer, amp, model_dtype, data_config, lr, lr_choice, grad_scaler, data)
+    return TrainingStack(model, task, optimizer, amp, model_dtype, data_config, lr, lr_choice, grad_scaler, data,
+                         resolved)

@@ -1,17 +1,17 @@
 """A short, measured estimate of the gradient noise scale B_noise on the real run, for choosing the global batch.
 
 `measure_noise_scale` trains a few accumulation windows of the real run (train.py's builder and loop, real data,
-the LR of the run's first updates) with the noise-scale monitor on (`timm_ext.train.noise_monitor`): each micro-batch's
-gradient against its window's gives one two-batch estimate of |G|² and tr(Σ) (McCandlish et al. 2018). The estimate
-is B_simple = tr(Σ) / |G|² with a bootstrap interval over windows (`timm_ext.train.noise_scale.bootstrap_noise_scale`), so a
-noisy reading shows as a wide range. It is read at the start of training, where B_noise is smallest (it grows as
-training proceeds, Merrill et al. 2025): a conservative reading for choosing a bigger batch.
+the LR of the run's first updates) with the noise-scale monitor on (`timm_ext.train.noise_monitor`): each
+micro-batch's gradient against its window's gives one two-batch estimate of |G|² and tr(Σ) (McCandlish et al. 2018).
+The estimate is B_simple = tr(Σ) / |G|² with a bootstrap interval over windows
+(`timm_ext.train.noise_scale.bootstrap_noise_scale`), so a noisy reading shows as a wide range. It is read at the start
+of training, where B_noise is smallest (it grows as training proceeds, Merrill et al. 2025): a conservative reading for
+choosing a bigger batch.
 
-The cost is what the caller asks for (micro-batch x accumulation x windows samples); `timm_ext.tune.batch_choice` decides
-whether the run is long enough to pay for it.
+The cost is what the caller asks for (micro-batch x accumulation x windows samples); `timm_ext.tune.batch_choice`
+decides whether the run is long enough to pay for it.
 """
 import argparse
-import copy
 import math
 import time
 from typing import Any, Iterator
@@ -25,6 +25,7 @@ from ..distributed import reduce_mean
 from ..lr import resolve_lr
 from ..train.noise_scale import bootstrap_noise_scale
 from ..train.loop import LoopConfig, TrainLoop
+from ..train.setup import with_values
 from ..train.stack import build_training_stack
 
 __all__ = ['measure_noise_scale', 'ESTIMATE_ACCUM', 'ESTIMATE_WINDOWS', 'ESTIMATE_MICRO_BATCH', 'estimate_samples']
@@ -85,10 +86,9 @@ def measure_noise_scale(args: argparse.Namespace, device: torch.device, micro_ba
         OomRecoveryError: Even one sample per step does not fit.
     """
     configure_cuda_backends(device)  # the warm-up trains in the regime of the run it plans
-    args = copy.deepcopy(args)
-    args.batch_size, args.grad_accum_steps = micro_batch, ESTIMATE_ACCUM
-    args.sync_bn = False  # it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
-    args.prefetcher = not args.no_prefetcher
+    # sync_bn off: it trains with OOM recovery, which SyncBN's collectives would hang (sync_bn_problem)
+    args = with_values(args, batch_size=micro_batch, grad_accum_steps=ESTIMATE_ACCUM, sync_bn=False,
+                       prefetcher=not args.no_prefetcher)
     world_size = args.world_size if args.distributed else 1
     utils.random_seed(args.seed, args.rank)
     lr = first_update_lr(args, micro_batch, world_size, ESTIMATE_ACCUM)

@@ -43,10 +43,16 @@ VALIDATE_DOMAINS: Mapping[str, Domain] = {
 
 
 def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
-    """Build the validate.py parser with every stock flag."""
+    """Build the validate.py parser with every stock flag, in stock's order."""
     p = OneLineArgumentParser(prog=prog, description='Validate timm image classification models on a dataset, '
                                                      'with a probe-first batch-size retry on out-of-memory.')
-    # Dataset
+    for add_group in (_add_dataset_args, _add_model_args, _add_run_args, _add_results_args, _add_naflex_args):
+        add_group(p)
+    return p
+
+
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """The dataset: where it lives, which split, how samples are read."""
     p.add_argument('data', nargs='?', metavar='DIR', const=None,
                    help='dataset root (deprecated positional form of --data-dir)')
     p.add_argument('--data-dir', metavar='DIR', help='dataset root folder')
@@ -65,7 +71,9 @@ def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
     p.add_argument('--dataset-trust-remote-code', action='store_true', default=False,
                    help="allow a Hugging Face dataset to run code from its repository")
 
-    # Model
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and its input: name, weights source, batch, sizes, crop, normalization, head."""
     p.add_argument('--model', '-m', metavar='NAME', default='dpn92',
                    help='timm model name; or "all", a wildcard, or a file of names for bulk validation')
     p.add_argument('--pretrained', dest='pretrained', action='store_true',
@@ -90,6 +98,10 @@ def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
     p.add_argument('--num-classes', type=int, default=None, help='classifier outputs (default: model\'s)')
     p.add_argument('--gp', default=None, type=str, metavar='POOL',
                    help='global pool type: fast, avg, max, avgmax or avgmaxc (default: model\'s)')
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """How the evaluation runs: logging, checkpoint, device, precision, layout, compilation."""
     p.add_argument('--log-freq', default=10, type=int, metavar='N', help='log every N batches')
     p.add_argument('--checkpoint', default='', type=str, metavar='PATH',
                    help='weights to validate: a .pth.tar/.pth/.safetensors file, or a folder of checkpoints')
@@ -123,7 +135,9 @@ def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
     compile_group.add_argument('--aot-autograd', default=False, action='store_true',
                                help='compile with functorch memory-efficient fusion')
 
-    # Results
+
+def _add_results_args(p: argparse.ArgumentParser) -> None:
+    """What is reported and where: results file, label sets, retry, seed, metrics."""
     p.add_argument('--results-file', default='', type=str, metavar='FILENAME',
                    help='write the results to this file (replaced atomically)')
     p.add_argument('--results-format', default='csv', type=str, help='results file format: csv or json')
@@ -138,11 +152,12 @@ def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
     p.add_argument('--metrics-avg', type=str, default=None, choices=['micro', 'macro', 'weighted'],
                    help='also report precision, recall and F1 with this averaging (needs scikit-learn)')
 
-    # NaFlex
+
+def _add_naflex_args(p: argparse.ArgumentParser) -> None:
+    """The NaFlex variable-resolution loader."""
     p.add_argument('--naflex-loader', action='store_true', default=False,
                    help='variable-resolution NaFlex loader (NaFlex models only)')
     p.add_argument('--naflex-max-seq-len', type=int, default=576, help='NaFlex loader sequence length')
-    return p
 
 
 def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, str]] = None) -> Optional[str]:
