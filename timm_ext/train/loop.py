@@ -10,16 +10,16 @@ and the scheduler's ``step_update`` happen once per window. Losses stay on the d
 Extension points: :meth:`TrainLoop.forward_backward` is one micro-batch (or any slice of one, weighted by its own
 samples), :meth:`TrainLoop.optimizer_update` sees a window's complete gradient before it is applied.
 
-Two options build on them. OOM recovery (``oom_recover``, `timm_ext.train.oom_recovery`): a window that runs out of memory
-is replayed with each loader batch cut into twice as many pieces, each weighted by its share of the batch, so the
-update is the same mean over the same samples; under DDP the ranks agree once per window and all-reduce the
-window's gradients themselves, in buckets. Noise scale (``log_noise_scale``, `timm_ext.train.noise_monitor`): each
-micro-batch's and the window's gradient norms feed a B_simple estimate, with no extra passes.
+Two options build on them. OOM recovery (``oom_recover``, `timm_ext.train.oom_replay.WindowReplay`): a window that
+runs out of memory is replayed with each loader batch cut into twice as many pieces, each weighted by its share of
+the batch, so the update is the same mean over the same samples; under DDP the ranks agree once per window and
+all-reduce the window's gradients themselves, in buckets. Noise scale (``log_noise_scale``,
+`timm_ext.train.noise_monitor`): each micro-batch's and the window's gradient norms feed a B_simple estimate, with
+no extra passes.
 """
 import logging
 import math
 import time
-import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +33,9 @@ from timm.utils import accuracy, dispatch_clip_grad
 from ..accum import accumulation_windows
 from .checkpoint import rng_state
 from ..distributed import reduce_mean, reduce_sum
-from ..memory import free_memory
 from .noise_monitor import NoiseScaleMonitor, NoiseScaleSummary
-from .oom_recovery import (
-    FAILED, OK, OOM, GradientAllReduce, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory,
-    agree_status, is_recoverable_oom,
-)
+from .oom_recovery import MicroBatchSplitter
+from .oom_replay import PLAIN_WINDOW, PlainWindow, WindowReplay, batch_len
 from .stop_signal import StopOnSignal, TrainingStopped
 
 _logger = logging.getLogger('train')
@@ -48,20 +45,6 @@ _logger = logging.getLogger('train')
 # batch size varies on purpose (each micro-batch counts 1, n / reference or sqrt(n / reference), divided by the
 # window length).
 LOSS_WEIGHTINGS = ('samples', 'none', 'linear', 'sqrt')
-
-
-@dataclass(frozen=True)
-class PieceFailure:
-    """How a piece of a window failed under OOM recovery (kept until the window's agreement).
-
-    Attributes:
-        status: OOM or FAILED.
-        reason: The first line of an OOM's message ('' for other errors).
-        error: The exception of a FAILED piece, raised once the peers know (None for an OOM: its frames are freed).
-    """
-    status: int
-    reason: str = ''
-    error: Optional[BaseException] = None
 
 
 @dataclass
@@ -114,11 +97,6 @@ class LoopConfig:
         return self.world_size > 1
 
 
-def batch_len(input: Any) -> int:
-    """Samples in a batch: a tensor's first dimension, or the patches of a NaFlex dict."""
-    return (input['patches'] if isinstance(input, dict) else input).shape[0]
-
-
 class TrainLoop:
     """Runs training epochs and evaluations of a timm training task.
 
@@ -162,15 +140,11 @@ class TrainLoop:
         self.second_order = getattr(optimizer, 'is_second_order', False)
         self.epoch_rng: Optional[Dict[str, Any]] = None  # RNG states when the current epoch's loader started
         self.params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
-        self.splitter: Optional[MicroBatchSplitter] = None
-        if cfg.oom_recover:
-            self.splitter = MicroBatchSplitter(max(1, round(cfg.batch_size)), cfg.oom_grow_back)
-        # under DDP, recovery needs every backward local and one explicit all-reduce once all ranks are through
-        self.explicit_allreduce = cfg.oom_recover and cfg.distributed
-        self.gradient_allreduce = GradientAllReduce(self.params, cfg.world_size) if self.explicit_allreduce else None
         self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
-        self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
-        self.window_replays = 0  # times the last window was replayed after an OOM
+        self.replay: Optional[WindowReplay] = None
+        if cfg.oom_recover:
+            self.replay = WindowReplay(task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps,
+                                       cfg.oom_grow_back, cfg.world_size, cfg.rank, discard=self._discard_window)
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
@@ -221,50 +195,6 @@ class TrainLoop:
             scaled.backward(create_graph=self.second_order)
         return loss.detach()
 
-    def _try_forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool,
-                              ) -> Tuple[Optional[torch.Tensor], Optional[PieceFailure]]:
-        """`forward_backward`, returning (loss, None), or (None, the failure) for an OOM and, under DDP, for any
-        error: the peers learn of it at the window's agreement (`_settle_window`)."""
-        try:
-            return self.forward_backward(input, target, weight, sync), None
-        except Exception as e:
-            if not is_recoverable_oom(e, self.cfg.device):
-                if not self.cfg.distributed:
-                    raise
-                return None, PieceFailure(FAILED, '', e)
-            traceback.clear_frames(e.__traceback__)  # its frames hold the failed attempt's activations
-            return None, PieceFailure(OOM, ' '.join(str(e).split())[:200] or type(e).__name__)
-
-    def _settle_window(self, failure: Optional[PieceFailure]) -> None:
-        """Raise for a window that failed anywhere: under DDP after the window's one status all-reduce, so that every
-        rank takes the same decision (`WindowOutOfMemory` to replay it, `RankFailed` to stop)."""
-        if not self.cfg.distributed:
-            if failure is not None:
-                raise WindowOutOfMemory([0], failure.reason)
-            return
-        status = OK if failure is None else failure.status
-        statuses = agree_status(status, self.cfg.rank, self.cfg.world_size, self.cfg.device)
-        if failure is not None and failure.error is not None:
-            raise failure.error
-        if FAILED in statuses:
-            raise RankFailed(f'rank {statuses.index(FAILED)} failed with an error (see its log); rank '
-                             f'{self.cfg.rank} stops too')
-        if OOM in statuses:
-            raise WindowOutOfMemory([r for r, s in enumerate(statuses) if s == OOM],
-                                    failure.reason if failure is not None else '')
-
-    def _arm_buffer_sync(self) -> None:
-        """With the explicit all-reduce, have DDP broadcast rank 0's buffers in the first forward of each window pass.
-
-        Every forward then runs under `no_sync`, and DDP broadcasts buffers in a forward only after one that synced
-        gradients: left alone it would broadcast in the run's first forward only, and once more on a rank whose first
-        forward failed (its flag was never cleared) but not on its peers, a collective only one side joins. Armed
-        per pass, the broadcast comes where stock DDP has it (each window's first forward), on every rank alike.
-        """
-        module = self.task.get_trainable_module()
-        if self.explicit_allreduce and isinstance(module, nn.parallel.DistributedDataParallel):
-            module.require_forward_param_sync = True
-
     # ---- one window ---------------------------------------------------------------------------------------------
 
     def optimizer_update(self, grad_correction: float = 1.0) -> None:
@@ -293,121 +223,60 @@ class TrainLoop:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _guarded_optimizer_update(self, grad_correction: float, where: str) -> None:
-        """`optimizer_update`; with OOM recovery armed, an OOM inside it stops the run with a clear error.
-
-        Splitting micro-batches cannot help there: the optimizer's state and update take the same memory whatever
-        the micro-batch, and a failed step may have updated some parameters already, so it is not replayed.
-        """
-        try:
-            self.optimizer_update(grad_correction)
-        except Exception as e:
-            if self.splitter is None or not is_recoverable_oom(e, self.cfg.device):
-                raise
-            traceback.clear_frames(e.__traceback__)
-            raise OomRecoveryError(
-                f'out of memory in the optimizer step at {where}, after the update\'s forward and backward passes '
-                f'fit: a smaller micro-batch does not shrink the optimizer\'s state or update, so OOM recovery '
-                f'stops here; checkpoints already written are intact. Free device memory, use an optimizer with '
-                f'less state (e.g. --opt sgd), --model-ema-force-cpu, or a smaller model') from None
-
     def train_window(self, batches: Iterator, window_len: int, where: str) -> Tuple[torch.Tensor, int, float, Any]:
         """Forward and backward over the next ``window_len`` batches; their gradients add up in ``.grad``.
 
         With OOM recovery the window's batches are kept until its update: a window that runs out of memory is
-        replayed from its first batch with every batch cut into twice as many pieces.
+        replayed from its first batch with every batch cut into twice as many pieces (`WindowReplay.run`).
 
         Returns:
             (sum of loss x samples, samples, seconds spent waiting for data, the window's last input)
         """
-        kept: List[Tuple[Any, torch.Tensor]] = []
-        data_time = [0.0]
-        self.window_replays = 0
-        while True:
-            try:
-                loss_sum, samples, input = self._window_pass(batches, window_len, kept, data_time)
-                return loss_sum, samples, data_time[0], input
-            except WindowOutOfMemory as e:
-                oom = e
-            self._recover(oom, where)
-            self.window_replays += 1
+        feed = _WindowFeed(batches, self.prepare_batch, keep=self.replay is not None)
+        if self.replay is None:
+            loss_sum, samples, input = self._window_pass(feed, window_len, PLAIN_WINDOW)
+        else:
+            loss_sum, samples, input = self.replay.run(
+                lambda attempt: self._window_pass(feed, window_len, attempt), where)
+        return loss_sum, samples, feed.data_time, input
 
-    def _window_pass(self, batches: Iterator, window_len: int, kept: List, data_time: List[float],
+    def _window_pass(self, feed: '_WindowFeed', window_len: int, attempt: PlainWindow,
                      ) -> Tuple[torch.Tensor, int, Any]:
-        cfg = self.cfg
-        loss_sum = torch.zeros((), device=cfg.device)
+        """One pass over a window: every micro-batch's backward, DDP's all-reduce only in the last one."""
+        loss_sum = torch.zeros((), device=self.cfg.device)
         samples = 0
-        failure: Optional[PieceFailure] = None  # this rank's first failed piece (OOM recovery only)
-        self._arm_buffer_sync()
         for pos in range(window_len):
-            if pos < len(kept):
-                input, target = kept[pos]
-            else:
-                data_start = time.time()
-                input, target = self.prepare_batch(*next(batches))
-                data_time[0] += time.time() - data_start
-                if self.splitter is not None:
-                    kept.append((input, target))
+            input, target = feed.batch(pos)
             num_samples = batch_len(input)
             weight = self.loss_weight(num_samples, window_len)  # a collective with NaFlex under DDP: every rank
             samples += num_samples
-            if failure is not None:
+            if attempt.failed:
                 continue  # failed under DDP: walk on, the replay needs these batches and the peers are still at it
-            pieces = [(input, target)] if self.splitter is None else self.splitter.split(input, target, num_samples)
-            for i, (piece, piece_target) in enumerate(pieces):
-                piece_samples = batch_len(piece)
-                piece_weight = weight if len(pieces) == 1 else weight * piece_samples / num_samples
-                sync = not self.explicit_allreduce and pos == window_len - 1 and i == len(pieces) - 1
+            pieces = attempt.pieces(input, target, num_samples, weight)
+            for i, (piece, piece_target, piece_samples, piece_weight) in enumerate(pieces):
+                sync = attempt.ddp_sync and pos == window_len - 1 and i == len(pieces) - 1
                 if self.noise is not None:
                     self.noise.before_backward()
-                if self.splitter is None:
-                    loss = self.forward_backward(piece, piece_target, piece_weight, sync)
-                else:
-                    loss, failure = self._try_forward_backward(piece, piece_target, piece_weight, sync)
-                    if failure is not None:
-                        break
+                loss = attempt.backward(self.forward_backward, piece, piece_target, piece_weight, sync)
+                if loss is None:
+                    break
                 if self.noise is not None:
                     self.noise.after_backward(piece_samples, piece_weight)
                 loss_sum += loss * piece_samples
-            if failure is not None and not cfg.distributed:
-                break  # one process: nobody to wait for, replay now
-        if self.splitter is not None:
-            self._settle_window(failure)
-        if self.gradient_allreduce is not None:
-            self.gradient_allreduce()
+            if attempt.stop_now:
+                break
         return loss_sum, samples, input
 
-    def _recover(self, oom: WindowOutOfMemory, where: str) -> None:
-        """Free what the failed window held and cut batches into twice as many pieces (or give up at 1 sample)."""
+    def _discard_window(self) -> None:
+        """Throw away a failed window pass's gradients and its noise-scale measurements (before a replay)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.noise is not None:
             self.noise.reset_window()
-        free_memory(self.cfg.device)
-        on_ranks = f' on rank {", ".join(map(str, oom.ranks))}' if self.cfg.distributed else ''
-        try:
-            old, new = self.splitter.shrink()
-        except OomRecoveryError:
-            raise OomRecoveryError(
-                f'out of memory at {where}{on_ranks} even with a micro-batch of 1 sample: nothing smaller to try; '
-                f'checkpoints already written are intact. Free device memory or use a smaller model or input '
-                f'size{f" ({oom.reason})" if oom.reason else ""}') from None
-        splits = self.splitter.splits
-        prefix = f'rank {self.cfg.rank}: ' if self.cfg.distributed else ''
-        _logger.warning(
-            f'{prefix}OOM recovery at {where}: out of memory{on_ranks}; micro-batch {old} -> {new} '
-            f'({splits} pieces per loader batch, {splits * self.cfg.accum_steps} backward passes per update); '
-            f'the global batch, LR and schedule are unchanged; replaying the update.')
-        if self._has_batchnorm and self.cfg.rank == 0 and old == self.splitter.batch_size:
-            _logger.warning(f'The model has batch norm: its batch statistics now come from micro-batches of {new}, '
-                            f'so updates are close to, not exactly, those of the full micro-batch.')
 
-    def _after_clean_update(self, where: str) -> None:
-        grown = self.splitter.after_clean_update()
-        if grown is not None:
-            prefix = f'rank {self.cfg.rank}: ' if self.cfg.distributed else ''
-            _logger.info(f'{prefix}OOM recovery at {where}: {self.cfg.oom_grow_back} clean updates, trying the '
-                         f'larger micro-batch again: {grown[0]} -> {grown[1]}.')
-
+    @property
+    def splitter(self) -> Optional[MicroBatchSplitter]:
+        """The OOM recovery's micro-batch splitter, or None without ``oom_recover``."""
+        return self.replay.splitter if self.replay is not None else None
     def noise_scale_summary(self) -> Optional[NoiseScaleSummary]:
         """The noise-scale estimate so far (a collective under DDP), or None when not estimating."""
         return self.noise.summary(self.cfg.device) if self.noise is not None else None
@@ -451,9 +320,11 @@ class TrainLoop:
             if self.noise is not None:
                 amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
                 self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
-            self._guarded_optimizer_update(correction, where)
-            if self.splitter is not None and not self.window_replays:
-                self._after_clean_update(where)
+            if self.replay is None:
+                self.optimizer_update(correction)
+            else:
+                self.replay.guard_update(lambda: self.optimizer_update(correction), where)
+                self.replay.after_update(where)
             num_updates += 1
             self.task.update_ema(step=num_updates)
             epoch_loss += window_loss
@@ -564,3 +435,32 @@ class TrainLoop:
             totals = reduce_sum(totals)
         loss_avg, top1_avg, top5_avg = (totals[:3] / totals[3].clamp(min=1)).tolist()
         return {'loss': loss_avg, 'top1': top1_avg, 'top5': top5_avg}
+
+
+class _WindowFeed:
+    """The batches of one window: fresh from the loader, or (for a replay) the ones kept from the first pass.
+
+    Args:
+        batches: The epoch's batch iterator.
+        prepare: Moves a loader batch to the device (`TrainLoop.prepare_batch`).
+        keep: Keep every batch until the window's update (OOM recovery replays them).
+    """
+
+    def __init__(self, batches: Iterator, prepare: Callable[[Any, torch.Tensor], Tuple[Any, torch.Tensor]],
+                 keep: bool):
+        self.batches = batches
+        self.prepare = prepare
+        self.keep = keep
+        self.kept: List[Tuple[Any, torch.Tensor]] = []
+        self.data_time = 0.0  # seconds spent waiting for the loader
+
+    def batch(self, pos: int) -> Tuple[Any, torch.Tensor]:
+        """The window's batch at ``pos``, on the device."""
+        if pos < len(self.kept):
+            return self.kept[pos]
+        data_start = time.time()
+        batch = self.prepare(*next(self.batches))
+        self.data_time += time.time() - data_start
+        if self.keep:
+            self.kept.append(batch)
+        return batch
