@@ -31,7 +31,7 @@ import torchvision.utils
 from timm.utils import accuracy, dispatch_clip_grad
 
 from ..accum import accumulation_windows
-from .checkpoint import rng_state
+from .checkpoint import rng_state, set_rng_state
 from ..distributed import reduce_mean, reduce_sum
 from .noise_monitor import NoiseScaleMonitor, NoiseScaleSummary
 from .oom_recovery import MicroBatchSplitter
@@ -139,6 +139,7 @@ class TrainLoop:
         self.stop = stop
         self.second_order = getattr(optimizer, 'is_second_order', False)
         self.epoch_rng: Optional[Dict[str, Any]] = None  # RNG states when the current epoch's loader started
+        self._resume_rng: Optional[Dict[str, Any]] = None  # a checkpoint's epoch_rng, for the epoch it resumes
         self.params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
         self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
         self.replay: Optional[WindowReplay] = None
@@ -281,6 +282,34 @@ class TrainLoop:
         """The noise-scale estimate so far (a collective under DDP), or None when not estimating."""
         return self.noise.summary(self.cfg.device) if self.noise is not None else None
 
+    # ---- resumable state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs from the loop (None where an option is off).
+
+        Returns:
+            ``splitter``: the OOM recovery's micro-batch; ``noise_scale``: the noise-scale EMAs (this rank's);
+            ``epoch_rng``: the RNG states the current epoch's loader started from.
+        """
+        return {
+            'splitter': self.splitter.state_dict() if self.splitter is not None else None,
+            'noise_scale': self.noise.estimator.state_dict() if self.noise is not None else None,
+            'epoch_rng': self.epoch_rng,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from `state_dict`'s output; an ``epoch_rng`` replays the order of the epoch a resume continues
+        inside (the next `train_one_epoch` with a ``start_update``)."""
+        if self.splitter is not None and state.get('splitter'):
+            self.splitter.load_state_dict(state['splitter'])
+            if self.cfg.rank == 0 and self.splitter.splits > 1:
+                _logger.info(f'OOM recovery: continuing with the checkpoint\'s micro-batch '
+                             f'{self.splitter.micro_batch} ({self.splitter.splits} pieces per loader batch of '
+                             f'{self.splitter.batch_size}).')
+        if self.noise is not None and state.get('noise_scale'):
+            self.noise.estimator.load_state_dict(state['noise_scale'])
+        self._resume_rng = state.get('epoch_rng')
+
     # ---- one epoch ----------------------------------------------------------------------------------------------
 
     def train_one_epoch(self, epoch: int, loader: Any, start_update: int = 0) -> Dict[str, float]:
@@ -296,6 +325,9 @@ class TrainLoop:
         self.task.get_trainable_module().train()
         self.optimizer.zero_grad(set_to_none=True)
 
+        if start_update and self._resume_rng is not None:
+            set_rng_state(self._resume_rng)  # replay the interrupted epoch's order and augmentation
+        self._resume_rng = None
         self.epoch_rng = rng_state()  # a recovery checkpoint replays the epoch's sample order from here
         batches: Iterator = iter(loader)
         if start_update:
