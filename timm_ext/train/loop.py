@@ -97,6 +97,45 @@ class LoopConfig:
         return self.world_size > 1
 
 
+def prepare_batch(input: Any, target: torch.Tensor, cfg: LoopConfig,
+                  mixup_fn: Optional[Callable] = None) -> Tuple[Any, torch.Tensor]:
+    """Move a batch to the device and apply mixup when the loader did not; channels_last if asked."""
+    if not cfg.prefetcher:
+        if isinstance(input, (list, tuple)):
+            # --aug-splits without the prefetcher's collate: stack the splits split-major, as fast_collate does
+            target = target.repeat((len(input),) + (1,) * (target.ndim - 1))
+            input = torch.cat(input)
+        input = input.to(device=cfg.device, dtype=cfg.model_dtype)
+        target = target.to(device=cfg.device)
+        if mixup_fn is not None:
+            input, target = mixup_fn(input, target)
+    if cfg.channels_last and torch.is_tensor(input):
+        input = input.contiguous(memory_format=torch.channels_last)
+    return input, target
+
+
+def loss_weight(cfg: LoopConfig, num_samples: int, window_len: int) -> float:
+    """Weight of a micro-batch's mean loss in a window of ``window_len`` micro-batches of nominal size."""
+    ratio = num_samples / cfg.batch_size
+    per_batch = {'samples': ratio, 'none': 1.0, 'linear': ratio, 'sqrt': math.sqrt(ratio)}[cfg.loss_weighting]
+    weight = per_batch / window_len
+    if cfg.naflex and cfg.distributed:
+        # ranks see different NaFlex batch sizes; weigh each rank by its share of the global batch (as timm)
+        global_samples = reduce_sum(torch.tensor(float(num_samples), device=cfg.device))
+        weight *= cfg.world_size * num_samples / global_samples
+    return weight
+
+
+def _skip_trained(batches: Iterator, windows: List[range], start_update: int, epoch: int, cfg: LoopConfig) -> None:
+    """Draw the batches of an epoch's first ``start_update`` updates (trained before a resume) from ``batches``."""
+    skip = windows[start_update].start if start_update < len(windows) else sum(map(len, windows))
+    if cfg.rank == 0:
+        _logger.info(f'Resuming epoch {epoch} at update {start_update}/{len(windows)}: '
+                     f'skipping {skip} batches already trained.')
+    for _ in range(skip):
+        next(batches)
+
+
 class TrainLoop:
     """Runs training epochs and evaluations of a timm training task.
 
@@ -145,35 +184,13 @@ class TrainLoop:
         self.replay: Optional[WindowReplay] = None
         if cfg.oom_recover:
             self.replay = WindowReplay(task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps,
-                                       cfg.oom_grow_back, cfg.world_size, cfg.rank, discard=self._discard_window)
+                                       cfg.oom_grow_back, cfg.world_size, cfg.rank, optimizer, self.noise)
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
     def prepare_batch(self, input: Any, target: torch.Tensor) -> Tuple[Any, torch.Tensor]:
-        """Move a batch to the device and apply mixup when the loader did not; channels_last if asked."""
-        if not self.cfg.prefetcher:
-            if isinstance(input, (list, tuple)):
-                # --aug-splits without the prefetcher's collate: stack the splits split-major, as fast_collate does
-                target = target.repeat((len(input),) + (1,) * (target.ndim - 1))
-                input = torch.cat(input)
-            input = input.to(device=self.cfg.device, dtype=self.cfg.model_dtype)
-            target = target.to(device=self.cfg.device)
-            if self.mixup_fn is not None:
-                input, target = self.mixup_fn(input, target)
-        if self.cfg.channels_last and torch.is_tensor(input):
-            input = input.contiguous(memory_format=torch.channels_last)
-        return input, target
-
-    def loss_weight(self, num_samples: int, window_len: int) -> float:
-        """Weight of a micro-batch's mean loss in a window of ``window_len`` micro-batches of nominal size."""
-        ratio = num_samples / self.cfg.batch_size
-        per_batch = {'samples': ratio, 'none': 1.0, 'linear': ratio, 'sqrt': math.sqrt(ratio)}[self.cfg.loss_weighting]
-        weight = per_batch / window_len
-        if self.cfg.naflex and self.cfg.distributed:
-            # ranks see different NaFlex batch sizes; weigh each rank by its share of the global batch (as timm)
-            global_samples = reduce_sum(torch.tensor(float(num_samples), device=self.cfg.device))
-            weight *= self.cfg.world_size * num_samples / global_samples
-        return weight
+        """`prepare_batch` with this loop's settings and mixup."""
+        return prepare_batch(input, target, self.cfg, self.mixup_fn)
 
     def forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss scaled by ``weight``; gradients add up in ``.grad``.
@@ -249,7 +266,7 @@ class TrainLoop:
         for pos in range(window_len):
             input, target = feed.batch(pos)
             num_samples = batch_len(input)
-            weight = self.loss_weight(num_samples, window_len)  # a collective with NaFlex under DDP: every rank
+            weight = loss_weight(self.cfg, num_samples, window_len)  # a collective with NaFlex under DDP: every rank
             samples += num_samples
             if attempt.failed:
                 continue  # failed under DDP: walk on, the replay needs these batches and the peers are still at it
@@ -267,12 +284,6 @@ class TrainLoop:
             if attempt.stop_now:
                 break
         return loss_sum, samples, input
-
-    def _discard_window(self) -> None:
-        """Throw away a failed window pass's gradients and its noise-scale measurements (before a replay)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.noise is not None:
-            self.noise.reset_window()
 
     @property
     def splitter(self) -> Optional[MicroBatchSplitter]:
@@ -310,7 +321,7 @@ class TrainLoop:
             self.noise.estimator.load_state_dict(state['noise_scale'])
         self._resume_rng = state.get('epoch_rng')
 
-    # ---- one epoch ----------------------------------------------------------------------------------------------
+    # ---- epochs: training and evaluation ------------------------------------------------------------------------
 
     def train_one_epoch(self, epoch: int, loader: Any, start_update: int = 0) -> Dict[str, float]:
         """Train one epoch, or its remainder after ``start_update`` updates (a resumed recovery checkpoint).
@@ -331,17 +342,9 @@ class TrainLoop:
         self.epoch_rng = rng_state()  # a recovery checkpoint replays the epoch's sample order from here
         batches: Iterator = iter(loader)
         if start_update:
-            skip = windows[start_update].start if start_update < updates_per_epoch else len(loader)
-            if cfg.rank == 0:
-                _logger.info(f'Resuming epoch {epoch} at update {start_update}/{updates_per_epoch}: '
-                             f'skipping {skip} batches already trained.')
-            for _ in range(skip):
-                next(batches)
+            _skip_trained(batches, windows, start_update, epoch, cfg)
 
-        epoch_loss = torch.zeros((), device=cfg.device)  # sum of loss x samples
-        epoch_samples = 0
-        update_time = data_time = 0.0
-        update_start = time.time()
+        meter = _EpochMeter(cfg, self.optimizer, epoch, updates_per_epoch)
         for update_idx in range(start_update, updates_per_epoch):
             window = windows[update_idx]
             where = f'epoch {epoch} update {update_idx}'
@@ -359,21 +362,7 @@ class TrainLoop:
                 self.replay.after_update(where)
             num_updates += 1
             self.task.update_ema(step=num_updates)
-            epoch_loss += window_loss
-            epoch_samples += window_samples
-
-            if cfg.synchronize_step and cfg.device.type == 'cuda':
-                torch.cuda.synchronize()
-            now = time.time()
-            update_time, data_time, update_start = now - update_start, window_data_time, now
-
-            last = update_idx == updates_per_epoch - 1
-            if update_idx % cfg.log_interval == 0 or last:
-                self._log_update(epoch, update_idx, updates_per_epoch, window_loss / window_samples,
-                                 epoch_loss / epoch_samples, window_samples, update_time, data_time)
-                if cfg.save_images_dir and torch.is_tensor(input):
-                    torchvision.utils.save_image(
-                        input, f'{cfg.save_images_dir}/train-batch-{window.stop - 1}.jpg', padding=0, normalize=True)
+            meter.update_done(update_idx, window, window_loss, window_samples, window_data_time, input)
 
             if self.save_recovery is not None and cfg.recovery_interval and (
                     (update_idx + 1) % cfg.recovery_interval == 0):
@@ -384,10 +373,7 @@ class TrainLoop:
 
         if hasattr(self.optimizer, 'sync_lookahead'):
             self.optimizer.sync_lookahead()
-        mean_loss = epoch_loss / max(epoch_samples, 1)
-        if cfg.distributed:
-            mean_loss = reduce_mean(mean_loss, cfg.world_size)
-        return {'loss': mean_loss.item()}
+        return {'loss': meter.mean_loss()}
 
     def _stop_if_asked(self, epoch: int, update_idx: int, where: str) -> None:
         signum = self.stop.requested(self.cfg.device) if self.stop is not None else None
@@ -395,78 +381,129 @@ class TrainLoop:
             saved = self.save_recovery(epoch, update_idx) if self.save_recovery is not None else None
             raise TrainingStopped(signum, where, saved)
 
-    def _log_update(
-            self, epoch: int, update_idx: int, updates_per_epoch: int, loss_now: torch.Tensor, loss_avg: torch.Tensor,
-            window_samples: int, update_time: float, data_time: float,
-    ) -> None:
-        if self.cfg.distributed:
-            loss_now = reduce_mean(loss_now, self.cfg.world_size)
-            loss_avg = reduce_mean(loss_avg, self.cfg.world_size)
-        if self.cfg.rank != 0:
+    def evaluate(
+            self, model: nn.Module, loader: Any, loss_fn: nn.Module, tta: int = 0, log_suffix: str = '',
+    ) -> Dict[str, float]:
+        """`evaluate` with this loop's settings and autocast."""
+        return evaluate(model, loader, loss_fn, self.cfg, self.amp_autocast, tta, log_suffix)
+
+
+@torch.inference_mode()
+def evaluate(
+        model: nn.Module, loader: Any, loss_fn: nn.Module, cfg: LoopConfig,
+        amp_autocast: Callable[[], ContextManager] = nullcontext, tta: int = 0, log_suffix: str = '',
+) -> Dict[str, float]:
+    """Loss, top-1 and top-5 accuracy of ``model`` on ``loader``, summed over all ranks' samples.
+
+    Args:
+        model: The eval model (EMA or not).
+        loader: Evaluation loader.
+        loss_fn: Loss on logits and class indices.
+        cfg: The loop's settings (device, prefetcher, channels_last, ranks, log interval).
+        amp_autocast: Zero-argument factory of the autocast context.
+        tta: Test-time augmentation factor: average this many consecutive outputs per sample.
+        log_suffix: Appended to the 'Test' log prefix, e.g. ' (EMA)'.
+    """
+    model.eval()
+    totals = torch.zeros(4, device=cfg.device, dtype=torch.float64)  # loss x n, top1 x n, top5 x n, n
+    last_idx = len(loader) - 1
+    start = time.time()
+    for batch_idx, (input, target) in enumerate(loader):
+        if not cfg.prefetcher:
+            input = input.to(device=cfg.device, dtype=cfg.model_dtype)
+            target = target.to(device=cfg.device)
+        if cfg.channels_last and torch.is_tensor(input):
+            input = input.contiguous(memory_format=torch.channels_last)
+        with amp_autocast():
+            output = model(input)
+            if isinstance(output, (tuple, list)):
+                output = output[0]
+            if tta > 1:
+                output = output.unfold(0, tta, tta).mean(dim=2)
+                target = target[0:target.size(0):tta]
+            loss = loss_fn(output, target)
+        top1, top5 = accuracy(output, target, topk=(1, 5))
+        n = output.shape[0]
+        # timm's accuracy is a float32 percentage; summed back as exact counts, top-1 / top-5 do not depend on
+        # how the split is cut into batches (--validation-batch-size)
+        hits = (torch.stack([top1, top5]).double() * n / 100).round() * 100
+        totals += torch.stack([loss.double() * n, hits[0], hits[1],
+                               torch.tensor(n, device=cfg.device, dtype=torch.float64)])
+        if batch_idx == last_idx or batch_idx % cfg.log_interval == 0:
+            seen = reduce_sum(totals) if cfg.distributed else totals
+            loss_avg, top1_avg, top5_avg = (seen[:3] / seen[3]).tolist()
+            if cfg.rank == 0:
+                _logger.info(
+                    f'Test{log_suffix}: [{batch_idx:>4d}/{last_idx}]  Time: {time.time() - start:.3f}  '
+                    f'Loss: {loss_avg:>6.3f}  Acc@1: {top1_avg:>7.3f}  Acc@5: {top5_avg:>7.3f}')
+    if cfg.distributed:
+        totals = reduce_sum(totals)
+    loss_avg, top1_avg, top5_avg = (totals[:3] / totals[3].clamp(min=1)).tolist()
+    return {'loss': loss_avg, 'top1': top1_avg, 'top5': top5_avg}
+
+
+class _EpochMeter:
+    """An epoch's training loss and update times, and its log lines: the only host syncs of training.
+
+    Args:
+        cfg: The loop's settings.
+        optimizer: Its param groups' LRs go on the log lines.
+        epoch: The epoch.
+        updates_per_epoch: Updates in a whole epoch.
+    """
+
+    def __init__(self, cfg: LoopConfig, optimizer: torch.optim.Optimizer, epoch: int, updates_per_epoch: int):
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.epoch = epoch
+        self.updates_per_epoch = updates_per_epoch
+        self.loss_sum = torch.zeros((), device=cfg.device)  # sum of loss x samples, on the device
+        self.samples = 0
+        self.update_start = time.time()
+
+    def update_done(self, update_idx: int, window: range, window_loss: torch.Tensor, window_samples: int,
+                    data_time: float, input: Any) -> None:
+        """Count an update's loss and time; log it (and save its input with --save-images) every log interval."""
+        cfg = self.cfg
+        self.loss_sum += window_loss
+        self.samples += window_samples
+        if cfg.synchronize_step and cfg.device.type == 'cuda':
+            torch.cuda.synchronize()
+        now = time.time()
+        update_time, self.update_start = now - self.update_start, now
+        if update_idx % cfg.log_interval != 0 and update_idx != self.updates_per_epoch - 1:
+            return
+        self._log(update_idx, window_loss / window_samples, window_samples, update_time, data_time)
+        if cfg.save_images_dir and torch.is_tensor(input):
+            torchvision.utils.save_image(
+                input, f'{cfg.save_images_dir}/train-batch-{window.stop - 1}.jpg', padding=0, normalize=True)
+
+    def _log(self, update_idx: int, loss_now: torch.Tensor, window_samples: int, update_time: float,
+             data_time: float) -> None:
+        cfg = self.cfg
+        loss_avg = self.loss_sum / self.samples
+        if cfg.distributed:
+            loss_now = reduce_mean(loss_now, cfg.world_size)
+            loss_avg = reduce_mean(loss_avg, cfg.world_size)
+        if cfg.rank != 0:
             return
         lrs = [g['lr'] for g in self.optimizer.param_groups]
-        samples = window_samples * self.cfg.world_size
+        samples = window_samples * cfg.world_size
         _logger.info(
-            f'Train: {epoch} [{update_idx:>4d}/{updates_per_epoch} '
-            f'({100. * (update_idx + 1) / updates_per_epoch:>3.0f}%)]  '
+            f'Train: {self.epoch} [{update_idx:>4d}/{self.updates_per_epoch} '
+            f'({100. * (update_idx + 1) / self.updates_per_epoch:>3.0f}%)]  '
             f'Loss: {loss_now.item():#.3g} ({loss_avg.item():#.3g})  '
             f'Time: {update_time:.3f}s, {samples / max(update_time, 1e-9):>7.2f}/s  '
             f'LR: {sum(lrs) / len(lrs):.3e}  '
             f'Data: {data_time:.3f}'
         )
 
-    # ---- evaluation ---------------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def evaluate(
-            self, model: nn.Module, loader: Any, loss_fn: nn.Module, tta: int = 0, log_suffix: str = '',
-    ) -> Dict[str, float]:
-        """Loss, top-1 and top-5 accuracy of ``model`` on ``loader``, summed over all ranks' samples.
-
-        Args:
-            model: The eval model (EMA or not).
-            loader: Evaluation loader.
-            loss_fn: Loss on logits and class indices.
-            tta: Test-time augmentation factor: average this many consecutive outputs per sample.
-            log_suffix: Appended to the 'Test' log prefix, e.g. ' (EMA)'.
-        """
-        cfg = self.cfg
-        model.eval()
-        totals = torch.zeros(4, device=cfg.device, dtype=torch.float64)  # loss x n, top1 x n, top5 x n, n
-        last_idx = len(loader) - 1
-        start = time.time()
-        for batch_idx, (input, target) in enumerate(loader):
-            if not cfg.prefetcher:
-                input = input.to(device=cfg.device, dtype=cfg.model_dtype)
-                target = target.to(device=cfg.device)
-            if cfg.channels_last and torch.is_tensor(input):
-                input = input.contiguous(memory_format=torch.channels_last)
-            with self.amp_autocast():
-                output = model(input)
-                if isinstance(output, (tuple, list)):
-                    output = output[0]
-                if tta > 1:
-                    output = output.unfold(0, tta, tta).mean(dim=2)
-                    target = target[0:target.size(0):tta]
-                loss = loss_fn(output, target)
-            top1, top5 = accuracy(output, target, topk=(1, 5))
-            n = output.shape[0]
-            # timm's accuracy is a float32 percentage; summed back as exact counts, top-1 / top-5 do not depend on
-            # how the split is cut into batches (--validation-batch-size)
-            hits = (torch.stack([top1, top5]).double() * n / 100).round() * 100
-            totals += torch.stack([loss.double() * n, hits[0], hits[1],
-                                   torch.tensor(n, device=cfg.device, dtype=torch.float64)])
-            if batch_idx == last_idx or batch_idx % cfg.log_interval == 0:
-                seen = reduce_sum(totals) if cfg.distributed else totals
-                loss_avg, top1_avg, top5_avg = (seen[:3] / seen[3]).tolist()
-                if cfg.rank == 0:
-                    _logger.info(
-                        f'Test{log_suffix}: [{batch_idx:>4d}/{last_idx}]  Time: {time.time() - start:.3f}  '
-                        f'Loss: {loss_avg:>6.3f}  Acc@1: {top1_avg:>7.3f}  Acc@5: {top5_avg:>7.3f}')
-        if cfg.distributed:
-            totals = reduce_sum(totals)
-        loss_avg, top1_avg, top5_avg = (totals[:3] / totals[3].clamp(min=1)).tolist()
-        return {'loss': loss_avg, 'top1': top1_avg, 'top5': top5_avg}
+    def mean_loss(self) -> float:
+        """The mean training loss over the samples of this epoch's updates, averaged over ranks."""
+        mean_loss = self.loss_sum / max(self.samples, 1)
+        if self.cfg.distributed:
+            mean_loss = reduce_mean(mean_loss, self.cfg.world_size)
+        return mean_loss.item()
 
 
 class _WindowFeed:

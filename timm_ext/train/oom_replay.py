@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..memory import free_memory
+from .noise_monitor import NoiseScaleMonitor
 from .oom_recovery import (
     FAILED, OK, OOM, GradientAllReduce, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory,
     agree_status, is_recoverable_oom,
@@ -135,18 +136,21 @@ class WindowReplay:
         grow_back: Try the larger micro-batch again after this many clean updates (None: never).
         world_size: Number of ranks.
         rank: This process's rank.
-        discard: Throws the failed pass's gradients (and anything derived from them) away.
+        optimizer: Its gradients are thrown away after a failed pass.
+        noise: The noise-scale monitor, whose measurements of a failed pass are thrown away too, or None.
     """
 
     def __init__(self, task: nn.Module, params: List[nn.Parameter], device: torch.device, batch_size: int,
-                 accum_steps: int, grow_back: Optional[int], world_size: int, rank: int, discard: Callable[[], None]):
+                 accum_steps: int, grow_back: Optional[int], world_size: int, rank: int,
+                 optimizer: torch.optim.Optimizer, noise: Optional[NoiseScaleMonitor] = None):
         self.task = task
         self.device = device
         self.accum_steps = accum_steps
         self.grow_back = grow_back
         self.world_size = world_size
         self.rank = rank
-        self.discard = discard
+        self.optimizer = optimizer
+        self.noise = noise
         self.splitter = MicroBatchSplitter(batch_size, grow_back)
         # under DDP, recovery needs every backward local and one explicit all-reduce once all ranks are through
         self.gradient_allreduce = GradientAllReduce(params, world_size) if self.distributed else None
@@ -240,7 +244,9 @@ class WindowReplay:
 
     def _recover(self, oom: WindowOutOfMemory, where: str) -> None:
         """Free what the failed window held and cut batches into twice as many pieces (or give up at 1 sample)."""
-        self.discard()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.noise is not None:
+            self.noise.reset_window()
         free_memory(self.device)
         on_ranks = f' on rank {", ".join(map(str, oom.ranks))}' if self.distributed else ''
         try:

@@ -39,7 +39,7 @@ from .input_checks import loss_weighting
 from .loop import LoopConfig, TrainLoop
 from .noise_monitor import NoiseScaleSummary, write_noise_scale_row
 from .setup import disable_mixup, experiment_name
-from .stack import build_training_stack
+from .stack import TrainingStack, build_training_stack
 from .stop_signal import StopOnSignal, TrainingStopped
 
 try:
@@ -47,7 +47,7 @@ try:
 except ImportError:
     wandb = None
 
-__all__ = ['TrainingRun', 'replan_for_resume', 'scale_group_lrs', 'summary_row', 'set_loader_epoch',
+__all__ = ['TrainingRun', 'replan_for_resume', 'resumed_lr', 'scale_group_lrs', 'summary_row', 'set_loader_epoch',
            'drop_summary_rows']
 
 _logger = logging.getLogger('train')
@@ -112,7 +112,7 @@ class TrainingRun:
             set_fast_norm()
 
         self.stack = build_training_stack(args, self.device, resumed=self.resumed, verbose=self.primary)
-        self.lr = self._elastic_lr()
+        self.lr = resumed_lr(args, self.stack, self.elastic, self.resumed)
         args.lr = self.lr  # args as stock keeps them: checkpoints hold the LR the run used
         if self.stack.lr_choice.from_base:
             args.lr_base_scale = self.stack.lr_choice.scale
@@ -124,19 +124,6 @@ class TrainingRun:
         self.lr_scheduler, self.num_epochs = create_scheduler_v2(
             self.stack.optimizer, **scheduler_kwargs(args, decreasing_metric=self.decreasing),
             updates_per_epoch=self.updates_per_epoch)
-
-    def _elastic_lr(self) -> float:
-        """The LR of this run: the stack's, or, where an elastic resume moved the global batch, the checkpoint's
-        moved by the run's rule (a resumed optimizer carries the checkpoint's LR in its groups, a fresh one
-        train.py's for this layout)."""
-        args, stack, elastic = self.args, self.stack, self.elastic
-        if elastic is None or not elastic.global_changed:
-            return stack.lr
-        scale = args.lr_base_scale or default_lr_scale(args.opt)
-        checkpoint_lr = ckpt.saved_lr(self.resumed) or stack.lr
-        lr = elastic_lr(elastic, checkpoint_lr, stack.lr, scale)
-        scale_group_lrs(stack.optimizer, lr / (stack.lr if args.no_resume_opt else checkpoint_lr))
-        return lr
 
     def restore(self) -> None:
         """Where the run starts (epoch and update), the scheduler moved there, and the checkpoint's RNG."""
@@ -320,6 +307,20 @@ def replan_for_resume(args: argparse.Namespace, resumed: Dict[str, Any], given: 
     user_flags = layout_flags_set_anew(sorted(given), vars(args), saved)
     return plan_elastic_resume(saved, args.world_size, device_name(device), args.batch_size, args.grad_accum_steps,
                                user_flags)
+
+
+def resumed_lr(args: argparse.Namespace, stack: TrainingStack, elastic: Optional[ElasticResume],
+               resumed: Optional[Dict[str, Any]]) -> float:
+    """The LR of the run: the stack's, or, where an elastic resume moved the global batch, the checkpoint's moved by
+    the run's rule; the optimizer's groups are scaled to it (a resumed optimizer carries the checkpoint's LR in its
+    groups, a fresh one train.py's for this layout)."""
+    if elastic is None or not elastic.global_changed:
+        return stack.lr
+    scale = args.lr_base_scale or default_lr_scale(args.opt)
+    checkpoint_lr = ckpt.saved_lr(resumed) or stack.lr
+    lr = elastic_lr(elastic, checkpoint_lr, stack.lr, scale)
+    scale_group_lrs(stack.optimizer, lr / (stack.lr if args.no_resume_opt else checkpoint_lr))
+    return lr
 
 
 def scale_group_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:
