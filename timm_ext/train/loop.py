@@ -181,10 +181,9 @@ class TrainLoop:
         self._resume_rng: Optional[Dict[str, Any]] = None  # a checkpoint's epoch_rng, for the epoch it resumes
         self.params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
         self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
-        self.replay: Optional[WindowReplay] = None
-        if cfg.oom_recover:
-            self.replay = WindowReplay(task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps,
-                                       cfg.oom_grow_back, cfg.world_size, cfg.rank, optimizer, self.noise)
+        self.replay: Optional[WindowReplay] = WindowReplay(
+            task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps, cfg.oom_grow_back,
+            cfg.world_size, cfg.rank, optimizer, self.noise) if cfg.oom_recover else None
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
@@ -289,6 +288,7 @@ class TrainLoop:
     def splitter(self) -> Optional[MicroBatchSplitter]:
         """The OOM recovery's micro-batch splitter, or None without ``oom_recover``."""
         return self.replay.splitter if self.replay is not None else None
+
     def noise_scale_summary(self) -> Optional[NoiseScaleSummary]:
         """The noise-scale estimate so far (a collective under DDP), or None when not estimating."""
         return self.noise.summary(self.cfg.device) if self.noise is not None else None
