@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from test_oom_recovery import Wide, wide_batches  # noqa: E402
-from timm_ext.train import loop as train_loop_module  # noqa: E402
+from timm_ext.train import oom_replay as oom_replay_module  # noqa: E402
 from timm_ext.memory import memory_cap  # noqa: E402
 from timm_ext.train.oom_recovery import GradientAllReduce  # noqa: E402
 from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
@@ -82,12 +82,12 @@ def agreements_per_epoch(rank: int) -> int:
     torch.manual_seed(0)
     loop = ddp_loop(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), accum_steps=4, batch_size=4)
     calls = []
-    real = train_loop_module.agree_status
-    train_loop_module.agree_status = lambda *a: (calls.append(a[0]), real(*a))[1]
+    real = oom_replay_module.agree_status
+    oom_replay_module.agree_status = lambda *a: (calls.append(a[0]), real(*a))[1]
     try:
         loop.train_one_epoch(0, rank_batches(rank, 8, 4, 6))
     finally:
-        train_loop_module.agree_status = real
+        oom_replay_module.agree_status = real
     return len(calls)
 
 

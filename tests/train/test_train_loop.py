@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from timm.task import ClassificationTask
 
-from timm_ext.train.loop import LoopConfig, TrainLoop
+from timm_ext.train.loop import LoopConfig, TrainLoop, loss_weight
 
 CPU = torch.device('cpu')
 
@@ -147,4 +147,4 @@ def test_unknown_loss_weighting_is_refused():
 @pytest.mark.parametrize('mode,expected', [('none', 1.0), ('linear', 0.5), ('sqrt', math.sqrt(0.5))])
 def test_variable_batch_loss_weights_follow_timm_modes(mode, expected):
     loop = make_loop(nn.Linear(2, 2), batch_size=8, loss_weighting=mode)
-    assert loop.loss_weight(4, window_len=2) == pytest.approx(expected / 2)
+    assert loss_weight(loop.cfg, 4, window_len=2) == pytest.approx(expected / 2)

@@ -10,8 +10,9 @@ system has no hard links).
 Checkpoints keep timm's keys (epoch, arch, state_dict, optimizer, version, args, amp_scaler, state_dict_ema, metric)
 so ``timm.models.load_checkpoint``, timm's validate.py and timm's train.py ``--resume`` read them, plus our own:
 ``scheduler``, ``rng``, ``saver`` (history bookkeeping), ``device_name`` (the hardware it trained on: with the batch
-size, world size and accumulation in ``args`` it is the layout an elastic resume re-plans from, ``batch_layout``)
-and, in recovery checkpoints, ``updates_done`` and ``epoch_rng`` so a resume continues inside the interrupted epoch.
+size, world size and accumulation in ``args`` it is the layout an elastic resume re-plans from, ``batch_layout``),
+the training loop's ``micro_batch`` (OOM recovery) and ``noise_scale`` (the estimate's EMAs) and, in recovery
+checkpoints, ``updates_done`` and ``epoch_rng`` so a resume continues inside the interrupted epoch.
 """
 import argparse
 import logging
@@ -31,6 +32,10 @@ from .elastic import BatchLayout
 _logger = logging.getLogger(__name__)
 
 CHECKPOINT_EXT = '.pth.tar'
+
+# the training loop's state (`TrainLoop.state_dict` names) -> the checkpoint key it is stored under; rank 0's
+# noise-scale EMAs are saved and every rank continues from them on resume
+LOOP_KEYS = {'splitter': 'micro_batch', 'noise_scale': 'noise_scale'}
 
 
 class CheckpointError(TimmExtError):
@@ -96,8 +101,14 @@ def training_state(
         grad_scaler: Any = None,
         lr_scheduler: Any = None,
         device_name: Optional[str] = None,
+        loop_state: Optional[Dict[str, Any]] = None,
+        updates_done: Optional[int] = None,
 ) -> Dict[str, Any]:
-    """Everything a checkpoint holds, under timm's keys plus ``scheduler``, ``rng`` and ``device_name``.
+    """Everything a checkpoint holds, under timm's keys plus ``scheduler``, ``rng`` and ``device_name``, and the
+    training loop's state under ``micro_batch`` and ``noise_scale`` (`LOOP_KEYS`).
+
+    A recovery checkpoint (``updates_done`` given) also holds ``updates_done`` and ``epoch_rng``, the RNG states the
+    interrupted epoch started from, so a resume replays that epoch's order and continues inside it.
 
     Args:
         task: The timm.task training task (its model and EMA state dicts, DDP/compile wrappers removed).
@@ -108,6 +119,8 @@ def training_state(
         grad_scaler: The AMP gradient scaler, stored as ``amp_scaler`` (timm's NativeScaler key).
         lr_scheduler: The timm scheduler.
         device_name: The hardware the run trains on (`timm_ext.memory.device_name`).
+        loop_state: `TrainLoop.state_dict()`, or None.
+        updates_done: Updates of ``epoch`` completed, for a recovery checkpoint (None: an epoch checkpoint).
     """
     state = {'epoch': epoch, 'arch': args.model, 'optimizer': optimizer.state_dict(), 'version': 2, 'args': args}
     if grad_scaler is not None:
@@ -121,6 +134,26 @@ def training_state(
     state['rng'] = rng_state()
     if device_name is not None:
         state['device_name'] = device_name
+    loop_state = loop_state or {}
+    for name, key in LOOP_KEYS.items():
+        if loop_state.get(name) is not None:
+            state[key] = loop_state[name]
+    if updates_done is not None:
+        state['updates_done'] = updates_done
+        state['epoch_rng'] = loop_state.get('epoch_rng')
+    return state
+
+
+def saved_loop_state(checkpoint: Dict[str, Any], with_epoch_rng: bool = True) -> Dict[str, Any]:
+    """The training loop's state in a checkpoint, for `TrainLoop.load_state_dict` (what it lacks is None).
+
+    Args:
+        checkpoint: A loaded checkpoint (ours, or stock timm's: it has none of these keys).
+        with_epoch_rng: Include a recovery checkpoint's ``epoch_rng`` (under DDP each rank seeds its own streams
+            and only rank 0's were saved, so a distributed resume leaves it out).
+    """
+    state = {name: checkpoint.get(key) for name, key in LOOP_KEYS.items()}
+    state['epoch_rng'] = checkpoint.get('epoch_rng') if with_epoch_rng else None
     return state
 
 
@@ -150,7 +183,6 @@ class ResumePoint:
     """Where a resumed run starts: ``epoch``, after ``updates_done`` optimizer updates of that epoch."""
     epoch: int
     updates_done: int = 0
-    epoch_rng: Optional[Dict[str, Any]] = None
 
 
 def resume_point(checkpoint: Dict[str, Any]) -> ResumePoint:
@@ -163,7 +195,7 @@ def resume_point(checkpoint: Dict[str, Any]) -> ResumePoint:
     epoch = int(checkpoint.get('epoch', -1))
     updates_done = checkpoint.get('updates_done')
     if updates_done is not None:
-        return ResumePoint(epoch, int(updates_done), checkpoint.get('epoch_rng'))
+        return ResumePoint(epoch, int(updates_done))
     return ResumePoint(epoch + 1 if checkpoint.get('version', 1) > 1 else epoch)
 
 

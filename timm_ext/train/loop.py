@@ -10,16 +10,16 @@ and the scheduler's ``step_update`` happen once per window. Losses stay on the d
 Extension points: :meth:`TrainLoop.forward_backward` is one micro-batch (or any slice of one, weighted by its own
 samples), :meth:`TrainLoop.optimizer_update` sees a window's complete gradient before it is applied.
 
-Two options build on them. OOM recovery (``oom_recover``, `timm_ext.train.oom_recovery`): a window that runs out of memory
-is replayed with each loader batch cut into twice as many pieces, each weighted by its share of the batch, so the
-update is the same mean over the same samples; under DDP the ranks agree once per window and all-reduce the
-window's gradients themselves, in buckets. Noise scale (``log_noise_scale``, `timm_ext.train.noise_monitor`): each
-micro-batch's and the window's gradient norms feed a B_simple estimate, with no extra passes.
+Two options build on them. OOM recovery (``oom_recover``, `timm_ext.train.oom_replay.WindowReplay`): a window that
+runs out of memory is replayed with each loader batch cut into twice as many pieces, each weighted by its share of
+the batch, so the update is the same mean over the same samples; under DDP the ranks agree once per window and
+all-reduce the window's gradients themselves, in buckets. Noise scale (``log_noise_scale``,
+`timm_ext.train.noise_monitor`): each micro-batch's and the window's gradient norms feed a B_simple estimate, with
+no extra passes.
 """
 import logging
 import math
 import time
-import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,14 +31,11 @@ import torchvision.utils
 from timm.utils import accuracy, dispatch_clip_grad
 
 from ..accum import accumulation_windows
-from .checkpoint import rng_state
+from .checkpoint import rng_state, set_rng_state
 from ..distributed import reduce_mean, reduce_sum
-from ..memory import free_memory
 from .noise_monitor import NoiseScaleMonitor, NoiseScaleSummary
-from .oom_recovery import (
-    FAILED, OK, OOM, GradientAllReduce, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory,
-    agree_status, is_recoverable_oom,
-)
+from .oom_recovery import MicroBatchSplitter
+from .oom_replay import PLAIN_WINDOW, PlainWindow, WindowReplay, batch_len
 from .stop_signal import StopOnSignal, TrainingStopped
 
 _logger = logging.getLogger('train')
@@ -48,20 +45,6 @@ _logger = logging.getLogger('train')
 # batch size varies on purpose (each micro-batch counts 1, n / reference or sqrt(n / reference), divided by the
 # window length).
 LOSS_WEIGHTINGS = ('samples', 'none', 'linear', 'sqrt')
-
-
-@dataclass(frozen=True)
-class PieceFailure:
-    """How a piece of a window failed under OOM recovery (kept until the window's agreement).
-
-    Attributes:
-        status: OOM or FAILED.
-        reason: The first line of an OOM's message ('' for other errors).
-        error: The exception of a FAILED piece, raised once the peers know (None for an OOM: its frames are freed).
-    """
-    status: int
-    reason: str = ''
-    error: Optional[BaseException] = None
 
 
 @dataclass
@@ -114,9 +97,43 @@ class LoopConfig:
         return self.world_size > 1
 
 
-def batch_len(input: Any) -> int:
-    """Samples in a batch: a tensor's first dimension, or the patches of a NaFlex dict."""
-    return (input['patches'] if isinstance(input, dict) else input).shape[0]
+def prepare_batch(input: Any, target: torch.Tensor, cfg: LoopConfig,
+                  mixup_fn: Optional[Callable] = None) -> Tuple[Any, torch.Tensor]:
+    """Move a batch to the device and apply mixup when the loader did not; channels_last if asked."""
+    if not cfg.prefetcher:
+        if isinstance(input, (list, tuple)):
+            # --aug-splits without the prefetcher's collate: stack the splits split-major, as fast_collate does
+            target = target.repeat((len(input),) + (1,) * (target.ndim - 1))
+            input = torch.cat(input)
+        input = input.to(device=cfg.device, dtype=cfg.model_dtype)
+        target = target.to(device=cfg.device)
+        if mixup_fn is not None:
+            input, target = mixup_fn(input, target)
+    if cfg.channels_last and torch.is_tensor(input):
+        input = input.contiguous(memory_format=torch.channels_last)
+    return input, target
+
+
+def loss_weight(cfg: LoopConfig, num_samples: int, window_len: int) -> float:
+    """Weight of a micro-batch's mean loss in a window of ``window_len`` micro-batches of nominal size."""
+    ratio = num_samples / cfg.batch_size
+    per_batch = {'samples': ratio, 'none': 1.0, 'linear': ratio, 'sqrt': math.sqrt(ratio)}[cfg.loss_weighting]
+    weight = per_batch / window_len
+    if cfg.naflex and cfg.distributed:
+        # ranks see different NaFlex batch sizes; weigh each rank by its share of the global batch (as timm)
+        global_samples = reduce_sum(torch.tensor(float(num_samples), device=cfg.device))
+        weight *= cfg.world_size * num_samples / global_samples
+    return weight
+
+
+def _skip_trained(batches: Iterator, windows: List[range], start_update: int, epoch: int, cfg: LoopConfig) -> None:
+    """Draw the batches of an epoch's first ``start_update`` updates (trained before a resume) from ``batches``."""
+    skip = windows[start_update].start if start_update < len(windows) else sum(map(len, windows))
+    if cfg.rank == 0:
+        _logger.info(f'Resuming epoch {epoch} at update {start_update}/{len(windows)}: '
+                     f'skipping {skip} batches already trained.')
+    for _ in range(skip):
+        next(batches)
 
 
 class TrainLoop:
@@ -161,44 +178,18 @@ class TrainLoop:
         self.stop = stop
         self.second_order = getattr(optimizer, 'is_second_order', False)
         self.epoch_rng: Optional[Dict[str, Any]] = None  # RNG states when the current epoch's loader started
+        self._resume_rng: Optional[Dict[str, Any]] = None  # a checkpoint's epoch_rng, for the epoch it resumes
         self.params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
-        self.splitter: Optional[MicroBatchSplitter] = None
-        if cfg.oom_recover:
-            self.splitter = MicroBatchSplitter(max(1, round(cfg.batch_size)), cfg.oom_grow_back)
-        # under DDP, recovery needs every backward local and one explicit all-reduce once all ranks are through
-        self.explicit_allreduce = cfg.oom_recover and cfg.distributed
-        self.gradient_allreduce = GradientAllReduce(self.params, cfg.world_size) if self.explicit_allreduce else None
         self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
-        self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
-        self.window_replays = 0  # times the last window was replayed after an OOM
+        self.replay: Optional[WindowReplay] = WindowReplay(
+            task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps, cfg.oom_grow_back,
+            cfg.world_size, cfg.rank, optimizer, self.noise) if cfg.oom_recover else None
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
     def prepare_batch(self, input: Any, target: torch.Tensor) -> Tuple[Any, torch.Tensor]:
-        """Move a batch to the device and apply mixup when the loader did not; channels_last if asked."""
-        if not self.cfg.prefetcher:
-            if isinstance(input, (list, tuple)):
-                # --aug-splits without the prefetcher's collate: stack the splits split-major, as fast_collate does
-                target = target.repeat((len(input),) + (1,) * (target.ndim - 1))
-                input = torch.cat(input)
-            input = input.to(device=self.cfg.device, dtype=self.cfg.model_dtype)
-            target = target.to(device=self.cfg.device)
-            if self.mixup_fn is not None:
-                input, target = self.mixup_fn(input, target)
-        if self.cfg.channels_last and torch.is_tensor(input):
-            input = input.contiguous(memory_format=torch.channels_last)
-        return input, target
-
-    def loss_weight(self, num_samples: int, window_len: int) -> float:
-        """Weight of a micro-batch's mean loss in a window of ``window_len`` micro-batches of nominal size."""
-        ratio = num_samples / self.cfg.batch_size
-        per_batch = {'samples': ratio, 'none': 1.0, 'linear': ratio, 'sqrt': math.sqrt(ratio)}[self.cfg.loss_weighting]
-        weight = per_batch / window_len
-        if self.cfg.naflex and self.cfg.distributed:
-            # ranks see different NaFlex batch sizes; weigh each rank by its share of the global batch (as timm)
-            global_samples = reduce_sum(torch.tensor(float(num_samples), device=self.cfg.device))
-            weight *= self.cfg.world_size * num_samples / global_samples
-        return weight
+        """`prepare_batch` with this loop's settings and mixup."""
+        return prepare_batch(input, target, self.cfg, self.mixup_fn)
 
     def forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss scaled by ``weight``; gradients add up in ``.grad``.
@@ -220,50 +211,6 @@ class TrainLoop:
                 scaled = self.grad_scaler.scale(scaled)
             scaled.backward(create_graph=self.second_order)
         return loss.detach()
-
-    def _try_forward_backward(self, input: Any, target: torch.Tensor, weight: float, sync: bool,
-                              ) -> Tuple[Optional[torch.Tensor], Optional[PieceFailure]]:
-        """`forward_backward`, returning (loss, None), or (None, the failure) for an OOM and, under DDP, for any
-        error: the peers learn of it at the window's agreement (`_settle_window`)."""
-        try:
-            return self.forward_backward(input, target, weight, sync), None
-        except Exception as e:
-            if not is_recoverable_oom(e, self.cfg.device):
-                if not self.cfg.distributed:
-                    raise
-                return None, PieceFailure(FAILED, '', e)
-            traceback.clear_frames(e.__traceback__)  # its frames hold the failed attempt's activations
-            return None, PieceFailure(OOM, ' '.join(str(e).split())[:200] or type(e).__name__)
-
-    def _settle_window(self, failure: Optional[PieceFailure]) -> None:
-        """Raise for a window that failed anywhere: under DDP after the window's one status all-reduce, so that every
-        rank takes the same decision (`WindowOutOfMemory` to replay it, `RankFailed` to stop)."""
-        if not self.cfg.distributed:
-            if failure is not None:
-                raise WindowOutOfMemory([0], failure.reason)
-            return
-        status = OK if failure is None else failure.status
-        statuses = agree_status(status, self.cfg.rank, self.cfg.world_size, self.cfg.device)
-        if failure is not None and failure.error is not None:
-            raise failure.error
-        if FAILED in statuses:
-            raise RankFailed(f'rank {statuses.index(FAILED)} failed with an error (see its log); rank '
-                             f'{self.cfg.rank} stops too')
-        if OOM in statuses:
-            raise WindowOutOfMemory([r for r, s in enumerate(statuses) if s == OOM],
-                                    failure.reason if failure is not None else '')
-
-    def _arm_buffer_sync(self) -> None:
-        """With the explicit all-reduce, have DDP broadcast rank 0's buffers in the first forward of each window pass.
-
-        Every forward then runs under `no_sync`, and DDP broadcasts buffers in a forward only after one that synced
-        gradients: left alone it would broadcast in the run's first forward only, and once more on a rank whose first
-        forward failed (its flag was never cleared) but not on its peers, a collective only one side joins. Armed
-        per pass, the broadcast comes where stock DDP has it (each window's first forward), on every rank alike.
-        """
-        module = self.task.get_trainable_module()
-        if self.explicit_allreduce and isinstance(module, nn.parallel.DistributedDataParallel):
-            module.require_forward_param_sync = True
 
     # ---- one window ---------------------------------------------------------------------------------------------
 
@@ -293,126 +240,88 @@ class TrainLoop:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _guarded_optimizer_update(self, grad_correction: float, where: str) -> None:
-        """`optimizer_update`; with OOM recovery armed, an OOM inside it stops the run with a clear error.
-
-        Splitting micro-batches cannot help there: the optimizer's state and update take the same memory whatever
-        the micro-batch, and a failed step may have updated some parameters already, so it is not replayed.
-        """
-        try:
-            self.optimizer_update(grad_correction)
-        except Exception as e:
-            if self.splitter is None or not is_recoverable_oom(e, self.cfg.device):
-                raise
-            traceback.clear_frames(e.__traceback__)
-            raise OomRecoveryError(
-                f'out of memory in the optimizer step at {where}, after the update\'s forward and backward passes '
-                f'fit: a smaller micro-batch does not shrink the optimizer\'s state or update, so OOM recovery '
-                f'stops here; checkpoints already written are intact. Free device memory, use an optimizer with '
-                f'less state (e.g. --opt sgd), --model-ema-force-cpu, or a smaller model') from None
-
     def train_window(self, batches: Iterator, window_len: int, where: str) -> Tuple[torch.Tensor, int, float, Any]:
         """Forward and backward over the next ``window_len`` batches; their gradients add up in ``.grad``.
 
         With OOM recovery the window's batches are kept until its update: a window that runs out of memory is
-        replayed from its first batch with every batch cut into twice as many pieces.
+        replayed from its first batch with every batch cut into twice as many pieces (`WindowReplay.run`).
 
         Returns:
             (sum of loss x samples, samples, seconds spent waiting for data, the window's last input)
         """
-        kept: List[Tuple[Any, torch.Tensor]] = []
-        data_time = [0.0]
-        self.window_replays = 0
-        while True:
-            try:
-                loss_sum, samples, input = self._window_pass(batches, window_len, kept, data_time)
-                return loss_sum, samples, data_time[0], input
-            except WindowOutOfMemory as e:
-                oom = e
-            self._recover(oom, where)
-            self.window_replays += 1
+        feed = _WindowFeed(batches, self.prepare_batch, keep=self.replay is not None)
+        if self.replay is None:
+            loss_sum, samples, input = self._window_pass(feed, window_len, PLAIN_WINDOW)
+        else:
+            loss_sum, samples, input = self.replay.run(
+                lambda attempt: self._window_pass(feed, window_len, attempt), where)
+        return loss_sum, samples, feed.data_time, input
 
-    def _window_pass(self, batches: Iterator, window_len: int, kept: List, data_time: List[float],
+    def _window_pass(self, feed: '_WindowFeed', window_len: int, attempt: PlainWindow,
                      ) -> Tuple[torch.Tensor, int, Any]:
-        cfg = self.cfg
-        loss_sum = torch.zeros((), device=cfg.device)
+        """One pass over a window: every micro-batch's backward, DDP's all-reduce only in the last one."""
+        loss_sum = torch.zeros((), device=self.cfg.device)
         samples = 0
-        failure: Optional[PieceFailure] = None  # this rank's first failed piece (OOM recovery only)
-        self._arm_buffer_sync()
         for pos in range(window_len):
-            if pos < len(kept):
-                input, target = kept[pos]
-            else:
-                data_start = time.time()
-                input, target = self.prepare_batch(*next(batches))
-                data_time[0] += time.time() - data_start
-                if self.splitter is not None:
-                    kept.append((input, target))
+            input, target = feed.batch(pos)
             num_samples = batch_len(input)
-            weight = self.loss_weight(num_samples, window_len)  # a collective with NaFlex under DDP: every rank
+            weight = loss_weight(self.cfg, num_samples, window_len)  # a collective with NaFlex under DDP: every rank
             samples += num_samples
-            if failure is not None:
+            if attempt.failed:
                 continue  # failed under DDP: walk on, the replay needs these batches and the peers are still at it
-            pieces = [(input, target)] if self.splitter is None else self.splitter.split(input, target, num_samples)
-            for i, (piece, piece_target) in enumerate(pieces):
-                piece_samples = batch_len(piece)
-                piece_weight = weight if len(pieces) == 1 else weight * piece_samples / num_samples
-                sync = not self.explicit_allreduce and pos == window_len - 1 and i == len(pieces) - 1
+            pieces = attempt.pieces(input, target, num_samples, weight)
+            for i, (piece, piece_target, piece_samples, piece_weight) in enumerate(pieces):
+                sync = attempt.ddp_sync and pos == window_len - 1 and i == len(pieces) - 1
                 if self.noise is not None:
                     self.noise.before_backward()
-                if self.splitter is None:
-                    loss = self.forward_backward(piece, piece_target, piece_weight, sync)
-                else:
-                    loss, failure = self._try_forward_backward(piece, piece_target, piece_weight, sync)
-                    if failure is not None:
-                        break
+                loss = attempt.backward(self.forward_backward, piece, piece_target, piece_weight, sync)
+                if loss is None:
+                    break
                 if self.noise is not None:
                     self.noise.after_backward(piece_samples, piece_weight)
                 loss_sum += loss * piece_samples
-            if failure is not None and not cfg.distributed:
-                break  # one process: nobody to wait for, replay now
-        if self.splitter is not None:
-            self._settle_window(failure)
-        if self.gradient_allreduce is not None:
-            self.gradient_allreduce()
+            if attempt.stop_now:
+                break
         return loss_sum, samples, input
 
-    def _recover(self, oom: WindowOutOfMemory, where: str) -> None:
-        """Free what the failed window held and cut batches into twice as many pieces (or give up at 1 sample)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.noise is not None:
-            self.noise.reset_window()
-        free_memory(self.cfg.device)
-        on_ranks = f' on rank {", ".join(map(str, oom.ranks))}' if self.cfg.distributed else ''
-        try:
-            old, new = self.splitter.shrink()
-        except OomRecoveryError:
-            raise OomRecoveryError(
-                f'out of memory at {where}{on_ranks} even with a micro-batch of 1 sample: nothing smaller to try; '
-                f'checkpoints already written are intact. Free device memory or use a smaller model or input '
-                f'size{f" ({oom.reason})" if oom.reason else ""}') from None
-        splits = self.splitter.splits
-        prefix = f'rank {self.cfg.rank}: ' if self.cfg.distributed else ''
-        _logger.warning(
-            f'{prefix}OOM recovery at {where}: out of memory{on_ranks}; micro-batch {old} -> {new} '
-            f'({splits} pieces per loader batch, {splits * self.cfg.accum_steps} backward passes per update); '
-            f'the global batch, LR and schedule are unchanged; replaying the update.')
-        if self._has_batchnorm and self.cfg.rank == 0 and old == self.splitter.batch_size:
-            _logger.warning(f'The model has batch norm: its batch statistics now come from micro-batches of {new}, '
-                            f'so updates are close to, not exactly, those of the full micro-batch.')
-
-    def _after_clean_update(self, where: str) -> None:
-        grown = self.splitter.after_clean_update()
-        if grown is not None:
-            prefix = f'rank {self.cfg.rank}: ' if self.cfg.distributed else ''
-            _logger.info(f'{prefix}OOM recovery at {where}: {self.cfg.oom_grow_back} clean updates, trying the '
-                         f'larger micro-batch again: {grown[0]} -> {grown[1]}.')
+    @property
+    def splitter(self) -> Optional[MicroBatchSplitter]:
+        """The OOM recovery's micro-batch splitter, or None without ``oom_recover``."""
+        return self.replay.splitter if self.replay is not None else None
 
     def noise_scale_summary(self) -> Optional[NoiseScaleSummary]:
         """The noise-scale estimate so far (a collective under DDP), or None when not estimating."""
         return self.noise.summary(self.cfg.device) if self.noise is not None else None
 
-    # ---- one epoch ----------------------------------------------------------------------------------------------
+    # ---- resumable state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs from the loop (None where an option is off).
+
+        Returns:
+            ``splitter``: the OOM recovery's micro-batch; ``noise_scale``: the noise-scale EMAs (this rank's);
+            ``epoch_rng``: the RNG states the current epoch's loader started from.
+        """
+        return {
+            'splitter': self.splitter.state_dict() if self.splitter is not None else None,
+            'noise_scale': self.noise.estimator.state_dict() if self.noise is not None else None,
+            'epoch_rng': self.epoch_rng,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from `state_dict`'s output; an ``epoch_rng`` replays the order of the epoch a resume continues
+        inside (the next `train_one_epoch` with a ``start_update``)."""
+        if self.splitter is not None and state.get('splitter'):
+            self.splitter.load_state_dict(state['splitter'])
+            if self.cfg.rank == 0 and self.splitter.splits > 1:
+                _logger.info(f'OOM recovery: continuing with the checkpoint\'s micro-batch '
+                             f'{self.splitter.micro_batch} ({self.splitter.splits} pieces per loader batch of '
+                             f'{self.splitter.batch_size}).')
+        if self.noise is not None and state.get('noise_scale'):
+            self.noise.estimator.load_state_dict(state['noise_scale'])
+        self._resume_rng = state.get('epoch_rng')
+
+    # ---- epochs: training and evaluation ------------------------------------------------------------------------
 
     def train_one_epoch(self, epoch: int, loader: Any, start_update: int = 0) -> Dict[str, float]:
         """Train one epoch, or its remainder after ``start_update`` updates (a resumed recovery checkpoint).
@@ -427,20 +336,15 @@ class TrainLoop:
         self.task.get_trainable_module().train()
         self.optimizer.zero_grad(set_to_none=True)
 
+        if start_update and self._resume_rng is not None:
+            set_rng_state(self._resume_rng)  # replay the interrupted epoch's order and augmentation
+        self._resume_rng = None
         self.epoch_rng = rng_state()  # a recovery checkpoint replays the epoch's sample order from here
         batches: Iterator = iter(loader)
         if start_update:
-            skip = windows[start_update].start if start_update < updates_per_epoch else len(loader)
-            if cfg.rank == 0:
-                _logger.info(f'Resuming epoch {epoch} at update {start_update}/{updates_per_epoch}: '
-                             f'skipping {skip} batches already trained.')
-            for _ in range(skip):
-                next(batches)
+            _skip_trained(batches, windows, start_update, epoch, cfg)
 
-        epoch_loss = torch.zeros((), device=cfg.device)  # sum of loss x samples
-        epoch_samples = 0
-        update_time = data_time = 0.0
-        update_start = time.time()
+        meter = _EpochMeter(cfg, self.optimizer, epoch, updates_per_epoch)
         for update_idx in range(start_update, updates_per_epoch):
             window = windows[update_idx]
             where = f'epoch {epoch} update {update_idx}'
@@ -451,26 +355,14 @@ class TrainLoop:
             if self.noise is not None:
                 amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
                 self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
-            self._guarded_optimizer_update(correction, where)
-            if self.splitter is not None and not self.window_replays:
-                self._after_clean_update(where)
+            if self.replay is None:
+                self.optimizer_update(correction)
+            else:
+                self.replay.guard_update(lambda: self.optimizer_update(correction), where)
+                self.replay.after_update(where)
             num_updates += 1
             self.task.update_ema(step=num_updates)
-            epoch_loss += window_loss
-            epoch_samples += window_samples
-
-            if cfg.synchronize_step and cfg.device.type == 'cuda':
-                torch.cuda.synchronize()
-            now = time.time()
-            update_time, data_time, update_start = now - update_start, window_data_time, now
-
-            last = update_idx == updates_per_epoch - 1
-            if update_idx % cfg.log_interval == 0 or last:
-                self._log_update(epoch, update_idx, updates_per_epoch, window_loss / window_samples,
-                                 epoch_loss / epoch_samples, window_samples, update_time, data_time)
-                if cfg.save_images_dir and torch.is_tensor(input):
-                    torchvision.utils.save_image(
-                        input, f'{cfg.save_images_dir}/train-batch-{window.stop - 1}.jpg', padding=0, normalize=True)
+            meter.update_done(update_idx, window, window_loss, window_samples, window_data_time, input)
 
             if self.save_recovery is not None and cfg.recovery_interval and (
                     (update_idx + 1) % cfg.recovery_interval == 0):
@@ -481,10 +373,7 @@ class TrainLoop:
 
         if hasattr(self.optimizer, 'sync_lookahead'):
             self.optimizer.sync_lookahead()
-        mean_loss = epoch_loss / max(epoch_samples, 1)
-        if cfg.distributed:
-            mean_loss = reduce_mean(mean_loss, cfg.world_size)
-        return {'loss': mean_loss.item()}
+        return {'loss': meter.mean_loss()}
 
     def _stop_if_asked(self, epoch: int, update_idx: int, where: str) -> None:
         signum = self.stop.requested(self.cfg.device) if self.stop is not None else None
@@ -492,75 +381,155 @@ class TrainLoop:
             saved = self.save_recovery(epoch, update_idx) if self.save_recovery is not None else None
             raise TrainingStopped(signum, where, saved)
 
-    def _log_update(
-            self, epoch: int, update_idx: int, updates_per_epoch: int, loss_now: torch.Tensor, loss_avg: torch.Tensor,
-            window_samples: int, update_time: float, data_time: float,
-    ) -> None:
-        if self.cfg.distributed:
-            loss_now = reduce_mean(loss_now, self.cfg.world_size)
-            loss_avg = reduce_mean(loss_avg, self.cfg.world_size)
-        if self.cfg.rank != 0:
+    def evaluate(
+            self, model: nn.Module, loader: Any, loss_fn: nn.Module, tta: int = 0, log_suffix: str = '',
+    ) -> Dict[str, float]:
+        """`evaluate` with this loop's settings and autocast."""
+        return evaluate(model, loader, loss_fn, self.cfg, self.amp_autocast, tta, log_suffix)
+
+
+@torch.inference_mode()
+def evaluate(
+        model: nn.Module, loader: Any, loss_fn: nn.Module, cfg: LoopConfig,
+        amp_autocast: Callable[[], ContextManager] = nullcontext, tta: int = 0, log_suffix: str = '',
+) -> Dict[str, float]:
+    """Loss, top-1 and top-5 accuracy of ``model`` on ``loader``, summed over all ranks' samples.
+
+    Args:
+        model: The eval model (EMA or not).
+        loader: Evaluation loader.
+        loss_fn: Loss on logits and class indices.
+        cfg: The loop's settings (device, prefetcher, channels_last, ranks, log interval).
+        amp_autocast: Zero-argument factory of the autocast context.
+        tta: Test-time augmentation factor: average this many consecutive outputs per sample.
+        log_suffix: Appended to the 'Test' log prefix, e.g. ' (EMA)'.
+    """
+    model.eval()
+    totals = torch.zeros(4, device=cfg.device, dtype=torch.float64)  # loss x n, top1 x n, top5 x n, n
+    last_idx = len(loader) - 1
+    start = time.time()
+    for batch_idx, (input, target) in enumerate(loader):
+        if not cfg.prefetcher:
+            input = input.to(device=cfg.device, dtype=cfg.model_dtype)
+            target = target.to(device=cfg.device)
+        if cfg.channels_last and torch.is_tensor(input):
+            input = input.contiguous(memory_format=torch.channels_last)
+        with amp_autocast():
+            output = model(input)
+            if isinstance(output, (tuple, list)):
+                output = output[0]
+            if tta > 1:
+                output = output.unfold(0, tta, tta).mean(dim=2)
+                target = target[0:target.size(0):tta]
+            loss = loss_fn(output, target)
+        top1, top5 = accuracy(output, target, topk=(1, 5))
+        n = output.shape[0]
+        # timm's accuracy is a float32 percentage; summed back as exact counts, top-1 / top-5 do not depend on
+        # how the split is cut into batches (--validation-batch-size)
+        hits = (torch.stack([top1, top5]).double() * n / 100).round() * 100
+        totals += torch.stack([loss.double() * n, hits[0], hits[1],
+                               torch.tensor(n, device=cfg.device, dtype=torch.float64)])
+        if batch_idx == last_idx or batch_idx % cfg.log_interval == 0:
+            seen = reduce_sum(totals) if cfg.distributed else totals
+            loss_avg, top1_avg, top5_avg = (seen[:3] / seen[3]).tolist()
+            if cfg.rank == 0:
+                _logger.info(
+                    f'Test{log_suffix}: [{batch_idx:>4d}/{last_idx}]  Time: {time.time() - start:.3f}  '
+                    f'Loss: {loss_avg:>6.3f}  Acc@1: {top1_avg:>7.3f}  Acc@5: {top5_avg:>7.3f}')
+    if cfg.distributed:
+        totals = reduce_sum(totals)
+    loss_avg, top1_avg, top5_avg = (totals[:3] / totals[3].clamp(min=1)).tolist()
+    return {'loss': loss_avg, 'top1': top1_avg, 'top5': top5_avg}
+
+
+class _EpochMeter:
+    """An epoch's training loss and update times, and its log lines: the only host syncs of training.
+
+    Args:
+        cfg: The loop's settings.
+        optimizer: Its param groups' LRs go on the log lines.
+        epoch: The epoch.
+        updates_per_epoch: Updates in a whole epoch.
+    """
+
+    def __init__(self, cfg: LoopConfig, optimizer: torch.optim.Optimizer, epoch: int, updates_per_epoch: int):
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.epoch = epoch
+        self.updates_per_epoch = updates_per_epoch
+        self.loss_sum = torch.zeros((), device=cfg.device)  # sum of loss x samples, on the device
+        self.samples = 0
+        self.update_start = time.time()
+
+    def update_done(self, update_idx: int, window: range, window_loss: torch.Tensor, window_samples: int,
+                    data_time: float, input: Any) -> None:
+        """Count an update's loss and time; log it (and save its input with --save-images) every log interval."""
+        cfg = self.cfg
+        self.loss_sum += window_loss
+        self.samples += window_samples
+        if cfg.synchronize_step and cfg.device.type == 'cuda':
+            torch.cuda.synchronize()
+        now = time.time()
+        update_time, self.update_start = now - self.update_start, now
+        if update_idx % cfg.log_interval != 0 and update_idx != self.updates_per_epoch - 1:
+            return
+        self._log(update_idx, window_loss / window_samples, window_samples, update_time, data_time)
+        if cfg.save_images_dir and torch.is_tensor(input):
+            torchvision.utils.save_image(
+                input, f'{cfg.save_images_dir}/train-batch-{window.stop - 1}.jpg', padding=0, normalize=True)
+
+    def _log(self, update_idx: int, loss_now: torch.Tensor, window_samples: int, update_time: float,
+             data_time: float) -> None:
+        cfg = self.cfg
+        loss_avg = self.loss_sum / self.samples
+        if cfg.distributed:
+            loss_now = reduce_mean(loss_now, cfg.world_size)
+            loss_avg = reduce_mean(loss_avg, cfg.world_size)
+        if cfg.rank != 0:
             return
         lrs = [g['lr'] for g in self.optimizer.param_groups]
-        samples = window_samples * self.cfg.world_size
+        samples = window_samples * cfg.world_size
         _logger.info(
-            f'Train: {epoch} [{update_idx:>4d}/{updates_per_epoch} '
-            f'({100. * (update_idx + 1) / updates_per_epoch:>3.0f}%)]  '
+            f'Train: {self.epoch} [{update_idx:>4d}/{self.updates_per_epoch} '
+            f'({100. * (update_idx + 1) / self.updates_per_epoch:>3.0f}%)]  '
             f'Loss: {loss_now.item():#.3g} ({loss_avg.item():#.3g})  '
             f'Time: {update_time:.3f}s, {samples / max(update_time, 1e-9):>7.2f}/s  '
             f'LR: {sum(lrs) / len(lrs):.3e}  '
             f'Data: {data_time:.3f}'
         )
 
-    # ---- evaluation ---------------------------------------------------------------------------------------------
+    def mean_loss(self) -> float:
+        """The mean training loss over the samples of this epoch's updates, averaged over ranks."""
+        mean_loss = self.loss_sum / max(self.samples, 1)
+        if self.cfg.distributed:
+            mean_loss = reduce_mean(mean_loss, self.cfg.world_size)
+        return mean_loss.item()
 
-    @torch.inference_mode()
-    def evaluate(
-            self, model: nn.Module, loader: Any, loss_fn: nn.Module, tta: int = 0, log_suffix: str = '',
-    ) -> Dict[str, float]:
-        """Loss, top-1 and top-5 accuracy of ``model`` on ``loader``, summed over all ranks' samples.
 
-        Args:
-            model: The eval model (EMA or not).
-            loader: Evaluation loader.
-            loss_fn: Loss on logits and class indices.
-            tta: Test-time augmentation factor: average this many consecutive outputs per sample.
-            log_suffix: Appended to the 'Test' log prefix, e.g. ' (EMA)'.
-        """
-        cfg = self.cfg
-        model.eval()
-        totals = torch.zeros(4, device=cfg.device, dtype=torch.float64)  # loss x n, top1 x n, top5 x n, n
-        last_idx = len(loader) - 1
-        start = time.time()
-        for batch_idx, (input, target) in enumerate(loader):
-            if not cfg.prefetcher:
-                input = input.to(device=cfg.device, dtype=cfg.model_dtype)
-                target = target.to(device=cfg.device)
-            if cfg.channels_last and torch.is_tensor(input):
-                input = input.contiguous(memory_format=torch.channels_last)
-            with self.amp_autocast():
-                output = model(input)
-                if isinstance(output, (tuple, list)):
-                    output = output[0]
-                if tta > 1:
-                    output = output.unfold(0, tta, tta).mean(dim=2)
-                    target = target[0:target.size(0):tta]
-                loss = loss_fn(output, target)
-            top1, top5 = accuracy(output, target, topk=(1, 5))
-            n = output.shape[0]
-            # timm's accuracy is a float32 percentage; summed back as exact counts, top-1 / top-5 do not depend on
-            # how the split is cut into batches (--validation-batch-size)
-            hits = (torch.stack([top1, top5]).double() * n / 100).round() * 100
-            totals += torch.stack([loss.double() * n, hits[0], hits[1],
-                                   torch.tensor(n, device=cfg.device, dtype=torch.float64)])
-            if batch_idx == last_idx or batch_idx % cfg.log_interval == 0:
-                seen = reduce_sum(totals) if cfg.distributed else totals
-                loss_avg, top1_avg, top5_avg = (seen[:3] / seen[3]).tolist()
-                if cfg.rank == 0:
-                    _logger.info(
-                        f'Test{log_suffix}: [{batch_idx:>4d}/{last_idx}]  Time: {time.time() - start:.3f}  '
-                        f'Loss: {loss_avg:>6.3f}  Acc@1: {top1_avg:>7.3f}  Acc@5: {top5_avg:>7.3f}')
-        if cfg.distributed:
-            totals = reduce_sum(totals)
-        loss_avg, top1_avg, top5_avg = (totals[:3] / totals[3].clamp(min=1)).tolist()
-        return {'loss': loss_avg, 'top1': top1_avg, 'top5': top5_avg}
+class _WindowFeed:
+    """The batches of one window: fresh from the loader, or (for a replay) the ones kept from the first pass.
+
+    Args:
+        batches: The epoch's batch iterator.
+        prepare: Moves a loader batch to the device (`TrainLoop.prepare_batch`).
+        keep: Keep every batch until the window's update (OOM recovery replays them).
+    """
+
+    def __init__(self, batches: Iterator, prepare: Callable[[Any, torch.Tensor], Tuple[Any, torch.Tensor]],
+                 keep: bool):
+        self.batches = batches
+        self.prepare = prepare
+        self.keep = keep
+        self.kept: List[Tuple[Any, torch.Tensor]] = []
+        self.data_time = 0.0  # seconds spent waiting for the loader
+
+    def batch(self, pos: int) -> Tuple[Any, torch.Tensor]:
+        """The window's batch at ``pos``, on the device."""
+        if pos < len(self.kept):
+            return self.kept[pos]
+        data_start = time.time()
+        batch = self.prepare(*next(self.batches))
+        self.data_time += time.time() - data_start
+        if self.keep:
+            self.kept.append(batch)
+        return batch

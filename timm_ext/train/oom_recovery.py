@@ -1,11 +1,12 @@
 """Out-of-memory recovery for training that leaves the math alone: split micro-batches, keep every update.
 
-When a micro-batch's forward or backward runs out of memory, the training loop frees what the failed attempt held,
-doubles the number of pieces each loader batch is cut into (`MicroBatchSplitter.shrink`) and replays the window from
-its first batch. A piece's loss is weighted by its share of its batch, so the window's gradient is the mean over the
-very same samples: the global batch, the LR, the schedule and the data order do not change, and no sample is dropped
-or seen twice. The whole window is replayed, not just the failed micro-batch, because a backward that fails midway
-has already added part of its gradient to ``.grad``.
+When a micro-batch's forward or backward runs out of memory, the training loop's replay
+(`timm_ext.train.oom_replay.WindowReplay`) frees what the failed attempt held, doubles the number of pieces each
+loader batch is cut into (`MicroBatchSplitter.shrink`) and replays the window from its first batch. A piece's loss
+is weighted by its share of its batch, so the window's gradient is the mean over the very same samples: the global
+batch, the LR, the schedule and the data order do not change, and no sample is dropped or seen twice. The whole
+window is replayed, not just the failed micro-batch, because a backward that fails midway has already added part of
+its gradient to ``.grad``.
 
 Under DDP every rank must take the same decision at the same time, or one rank waits forever in a collective: while
 recovery is on, every backward runs without DDP's own gradient all-reduce (which launches collectives midway
