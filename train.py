@@ -46,6 +46,8 @@ from timm_ext.launch import current_topology
 from timm_ext.lr import default_lr_scale
 from timm_ext.memory import device_name
 from timm_ext.train.noise_monitor import write_noise_scale_row
+from timm_ext.train.batch_ramp import BatchRamp
+from timm_ext.tune.batch_choice import MIN_UPDATES
 from timm_ext.train.stop_signal import StopOnSignal, TrainingStopped
 from timm_ext.train.args import args_to_yaml, build_parser, given_dests, parse_args
 from timm_ext.train.loop import LoopConfig, TrainLoop
@@ -144,6 +146,10 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
     decreasing = eval_metric == 'loss'
     lr_scheduler, num_epochs = create_scheduler_v2(
         optimizer, **scheduler_kwargs(args, decreasing_metric=decreasing), updates_per_epoch=updates_per_epoch)
+    ramp = BatchRamp.for_run(args, optimizer, lr_scheduler, len(loader_train), num_epochs, MIN_UPDATES, resumed,
+                             primary) if args.batch_ramp else None
+    if ramp is not None:  # the schedule runs in the recipe's updates; the epochs in the ramp's (a resume: its own)
+        lr_scheduler, updates_per_epoch = ramp.scheduler, ramp.updates_per_epoch
     start = ckpt.ResumePoint(0)
     if resumed is not None:
         start = ckpt.resume_point(resumed)
@@ -186,6 +192,8 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
         extra = {'micro_batch': loop.splitter.state_dict()} if loop.splitter is not None else {}
         if loop.noise is not None:  # rank 0's EMAs; every rank continues from them on resume
             extra['noise_scale'] = loop.noise.estimator.state_dict()
+        if ramp is not None:
+            extra['batch_ramp'] = ramp.state_dict()
         return {**ckpt.training_state(task, optimizer, args, epoch, metric, grad_scaler, lr_scheduler, hardware),
                 **extra}
 
@@ -246,6 +254,10 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
                 resumable = saver is not None and epoch > start.epoch
                 saved = save_recovery(epoch - 1, updates_per_epoch - 1) if resumable else None
                 raise TrainingStopped(signum, f'epoch {epoch - 1}', saved)
+            # the ramp re-plans from the B_simple so far (not inside an epoch resumed: it did before the checkpoint)
+            mid_epoch = epoch == start.epoch and start.updates_done > 0
+            if ramp is not None and ramp.before_epoch(epoch, loop, decide=not mid_epoch):
+                updates_per_epoch = ramp.updates_per_epoch
             set_loader_epoch(loader_train, epoch)
             if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
                 disable_mixup(loader_train, mixup_fn)
@@ -257,7 +269,7 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
             train_metrics = loop.train_one_epoch(epoch, loader_train, start_update)
             noise = loop.noise_scale_summary()
             if noise is not None and primary:
-                global_batch = args.batch_size * args.world_size * args.grad_accum_steps
+                global_batch = args.batch_size * args.world_size * loop.cfg.accum_steps
                 _logger.info(f'Epoch {epoch}: {noise.message(global_batch)}')
                 write_noise_scale_row(os.path.join(output_dir, 'noise_scale.csv'), epoch, noise, global_batch)
 

@@ -16,6 +16,7 @@ update is the same mean over the same samples; under DDP the ranks agree once pe
 window's gradients themselves, in buckets. Noise scale (``log_noise_scale``, `timm_ext.train.noise_monitor`): each
 micro-batch's and the window's gradient norms feed a B_simple estimate, with no extra passes.
 """
+import dataclasses
 import logging
 import math
 import time
@@ -171,6 +172,11 @@ class TrainLoop:
         self.noise = NoiseScaleMonitor(self.params, cfg.world_size) if cfg.log_noise_scale else None
         self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in task.modules())
         self.window_replays = 0  # times the last window was replayed after an OOM
+
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Train the next epochs with `accum_steps` micro-batches per update (--batch-ramp grows it between epochs)."""
+        if accum_steps != self.cfg.accum_steps:
+            self.cfg = dataclasses.replace(self.cfg, accum_steps=accum_steps)
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
