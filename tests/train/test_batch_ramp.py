@@ -154,6 +154,30 @@ def test_resume_continues_the_ramp_and_a_fresh_optimizer_gets_its_lr():
     assert elastic.state.accum_steps == 8 and elastic.layout.global_batch == 16
 
 
+def test_loop_trains_the_next_epoch_with_the_new_accumulation():
+    from timm.task import ClassificationTask
+    from timm_ext.train.loop import LoopConfig, TrainLoop
+
+    class Updates:  # counts the loop's step_update calls
+        def __init__(self):
+            self.calls = []
+
+        def step_update(self, num_updates, metric=None):
+            self.calls.append(num_updates)
+
+    model = torch.nn.Linear(4, 3)
+    task = ClassificationTask(model, torch.nn.CrossEntropyLoss(), device=torch.device('cpu'), verbose=False)
+    updates = Updates()
+    loop = TrainLoop(task, torch.optim.SGD(model.parameters(), lr=0.1),
+                     LoopConfig(device=torch.device('cpu'), accum_steps=2, batch_size=2, log_interval=10 ** 9),
+                     lr_scheduler=updates)
+    batches = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(8)]
+    loop.train_one_epoch(0, batches)
+    loop.set_accum_steps(4)
+    loop.train_one_epoch(1, batches)
+    assert updates.calls == [1, 2, 3, 4, 3, 4] and loop.cfg.accum_steps == 4
+
+
 # ---- train.py ------------------------------------------------------------------------------------------------------
 
 # 96 images in micro-batches of 4 against windows of 8: a positive B_simple after every epoch at this LR; a tiny
