@@ -142,8 +142,9 @@ class RecipeClock:
     """A per-update timm scheduler driven in the recipe's updates while the accumulation changes.
 
     The loop counts updates of its current layout (``epoch x updates_per_epoch + update``); every epoch trains the
-    same samples, so that count times ``recipe_updates_per_epoch / updates_per_epoch`` is exactly the updates the
-    recipe's global batch would have made for the same samples. Everything but `step_update` goes to the scheduler.
+    same samples, so that count times ``recipe_updates_per_epoch / updates_per_epoch`` is the recipe's updates for
+    the same samples: exact at every epoch boundary, in proportion inside an epoch (rounded to a whole update).
+    Everything but `step_update` goes to the scheduler.
 
     Args:
         scheduler: The timm scheduler, built with the recipe's updates per epoch.
@@ -162,7 +163,10 @@ class RecipeClock:
         self.scheduler.step_update(self.last_update, metric)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__['scheduler'], name)
+        scheduler = self.__dict__.get('scheduler')  # absent while copy or pickle rebuild the object
+        if scheduler is None:
+            raise AttributeError(name)
+        return getattr(scheduler, name)
 
 
 def _mean_lr(optimizer: torch.optim.Optimizer) -> float:
