@@ -181,11 +181,12 @@ def test_loop_trains_the_next_epoch_with_the_new_accumulation():
 # ---- train.py ------------------------------------------------------------------------------------------------------
 
 # 96 images in micro-batches of 4 against windows of 8: a positive B_simple after every epoch at this LR; a tiny
-# factor and update guard let it grow the accumulation at both boundaries (at most doubling: 2 -> 4 -> 8)
+# factor and update guard let it grow the accumulation at both boundaries (at most doubling: 2 -> 4 -> 8); recovery
+# checkpoints every 5 updates: the newest two are recovery-0-9 and recovery-1-4
 RAMP_RUN = ('--val-split', '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
             '--workers', '0', '-b', '4', '--grad-accum-steps', '2', '--lr', '0.05', '--epochs', '3',
             '--sched', 'cosine', '--warmup-epochs', '1', '--sched-on-updates', '--log-noise-scale',
-            '--batch-ramp', '--batch-ramp-factor', '0.01', '--batch-ramp-min-updates', '1')
+            '--batch-ramp', '--batch-ramp-factor', '0.01', '--batch-ramp-min-updates', '1', '--recovery-interval', '5')
 
 
 def _rows(path):
@@ -220,6 +221,15 @@ def test_run_grows_the_batch_and_a_resume_continues_the_ramp(tmp_path):
     assert [float(r['train_loss']) for r in resumed_rows] == pytest.approx([float(r['train_loss']) for r in rows],
                                                                             rel=1e-4)
     assert [r['global_batch'] for r in _rows(tmp_path / 'resumed' / 'noise_scale.csv')] == ['16', '32']
+
+    # resumed inside epoch 1 (5 of its 6 updates at accumulation 4 done): no second decision for epoch 1
+    inside = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'inside', *RAMP_RUN,
+                        '--resume', str(run / 'recovery-1-4.pth.tar'))
+    assert inside.returncode == 0, inside.stderr[-3000:]
+    assert [line for line in inside.stderr.splitlines() if 'Batch ramp before epoch' in line] == changes[1:]
+    inside_rows = _rows(tmp_path / 'inside' / 'summary.csv')
+    assert [(r['epoch'], float(r['lr'])) for r in inside_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
+    assert [r['global_batch'] for r in _rows(tmp_path / 'inside' / 'noise_scale.csv')] == ['16', '32']
 
 
 @pytest.mark.parametrize('flags,words', [
