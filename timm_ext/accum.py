@@ -8,7 +8,11 @@ import math
 from dataclasses import dataclass
 from typing import List
 
-__all__ = ['accumulation_windows', 'AccumPlan', 'plan_accumulation']
+__all__ = ['MIN_UPDATES', 'accumulation_windows', 'AccumPlan', 'plan_accumulation']
+
+# the fewest optimizer updates a plan should leave a run: fewer is warned about (tune_batch.py), and neither a bigger
+# global batch (`timm_ext.tune.batch_choice`) nor --batch-ramp's growth (`timm_ext.train.batch_ramp`) may go below it
+MIN_UPDATES = 200
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:

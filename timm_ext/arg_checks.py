@@ -371,6 +371,9 @@ TRAIN_DOMAINS: Mapping[str, Domain] = {
     'kd_teacher_feature_dim': POSITIVE_INT,
     # our extensions
     'oom_grow_back': POSITIVE_INT,
+    'batch_ramp_factor': POSITIVE,
+    'batch_ramp_max': POSITIVE_INT,
+    'batch_ramp_min_updates': POSITIVE_INT,
 }
 
 # tune_batch.py's own flags (it also takes every train.py flag, checked with TRAIN_DOMAINS).

@@ -15,7 +15,8 @@ from timm_ext.train.args import (
     read_config,
 )
 
-EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'log_noise_scale', 'no_safetensors'}
+EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'log_noise_scale', 'no_safetensors', 'batch_ramp', 'batch_ramp_factor',
+                   'batch_ramp_max', 'batch_ramp_min_updates'}
 
 
 @pytest.fixture(scope='module')
@@ -70,7 +71,8 @@ def test_parsed_defaults_equal_stock(spec):
         value, want = parsed[entry['dest']], entry['default']
         assert value == want and type(value) is type(want), f"{entry['dest']}: {value!r} != stock {want!r}"
     assert {k: parsed[k] for k in EXTENSION_DESTS} == {
-        'oom_recover': False, 'oom_grow_back': None, 'log_noise_scale': False, 'no_safetensors': False}
+        'oom_recover': False, 'oom_grow_back': None, 'log_noise_scale': False, 'no_safetensors': False,
+        'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None, 'batch_ramp_min_updates': None}
 
 
 def test_model_kwargs_parse_like_stock():

@@ -22,6 +22,7 @@ from timm.utils import ParseKwargs as _TimmParseKwargs
 
 from ..arg_checks import TRAIN_DOMAINS, Domain, check_values, flag_defaults, flag_names
 from ..errors import TimmExtError
+from .batch_ramp import RAMP_FACTOR
 
 __all__ = [
     'EXTENSIONS_GROUP', 'ConfigError', 'ParseKwargs', 'TrainArgumentParser', 'args_to_yaml', 'build_config_parser',
@@ -485,6 +486,16 @@ def _add_extension_args(parser: argparse.ArgumentParser) -> None:
                             '(default: never)')
     group.add_argument('--log-noise-scale', action='store_true', default=False,
                        help='estimate and log the gradient noise scale (critical batch size)')
+    group.add_argument('--batch-ramp', action='store_true', default=False,
+                       help='grow the accumulation at epoch boundaries as the measured B_simple grows, moving the '
+                            'LR by the run\'s rule (needs --log-noise-scale)')
+    group.add_argument('--batch-ramp-factor', type=float, default=None, metavar='F',
+                       help=f'--batch-ramp keeps the global batch within B_simple / F (default: {RAMP_FACTOR:g})')
+    group.add_argument('--batch-ramp-max', type=int, default=None, metavar='N',
+                       help='--batch-ramp never grows the global batch past N samples (default: no limit)')
+    group.add_argument('--batch-ramp-min-updates', type=int, default=None, metavar='N',
+                       help='--batch-ramp keeps at least N optimizer updates over the run at the grown batch '
+                            '(default: the guard tune_batch.py applies to a bigger batch, its MIN_UPDATES)')
     group.add_argument('--no-safetensors', action='store_true', default=False,
                        help='do not export best/last weights as .safetensors')
 

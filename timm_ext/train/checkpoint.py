@@ -36,6 +36,7 @@ CHECKPOINT_EXT = '.pth.tar'
 # the training loop's state (`TrainLoop.state_dict` names) -> the checkpoint key it is stored under; rank 0's
 # noise-scale EMAs are saved and every rank continues from them on resume
 LOOP_KEYS = {'splitter': 'micro_batch', 'noise_scale': 'noise_scale'}
+RAMP_KEY = 'batch_ramp'  # --batch-ramp's state (`timm_ext.train.batch_ramp.RampState`)
 
 
 class CheckpointError(TimmExtError):
@@ -103,6 +104,7 @@ def training_state(
         device_name: Optional[str] = None,
         loop_state: Optional[Dict[str, Any]] = None,
         updates_done: Optional[int] = None,
+        ramp_state: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Everything a checkpoint holds, under timm's keys plus ``scheduler``, ``rng`` and ``device_name``, and the
     training loop's state under ``micro_batch`` and ``noise_scale`` (`LOOP_KEYS`).
@@ -121,6 +123,7 @@ def training_state(
         device_name: The hardware the run trains on (`timm_ext.memory.device_name`).
         loop_state: `TrainLoop.state_dict()`, or None.
         updates_done: Updates of ``epoch`` completed, for a recovery checkpoint (None: an epoch checkpoint).
+        ramp_state: `BatchRamp.state_dict()` under --batch-ramp (key ``batch_ramp``), or None.
     """
     state = {'epoch': epoch, 'arch': args.model, 'optimizer': optimizer.state_dict(), 'version': 2, 'args': args}
     if grad_scaler is not None:
@@ -141,6 +144,8 @@ def training_state(
     if updates_done is not None:
         state['updates_done'] = updates_done
         state['epoch_rng'] = loop_state.get('epoch_rng')
+    if ramp_state is not None:
+        state[RAMP_KEY] = ramp_state
     return state
 
 
@@ -155,6 +160,11 @@ def saved_loop_state(checkpoint: Dict[str, Any], with_epoch_rng: bool = True) ->
     state = {name: checkpoint.get(key) for name, key in LOOP_KEYS.items()}
     state['epoch_rng'] = checkpoint.get('epoch_rng') if with_epoch_rng else None
     return state
+
+
+def saved_ramp_state(checkpoint: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The --batch-ramp state a checkpoint holds (None: no checkpoint, or one trained without the ramp)."""
+    return checkpoint.get(RAMP_KEY) if checkpoint is not None else None
 
 
 def batch_layout(checkpoint: Dict[str, Any]) -> Optional[BatchLayout]:

@@ -12,7 +12,7 @@ from .checkpoint import CheckpointError, load_training_checkpoint
 from .noise_monitor import noise_scale_problem
 from .oom_recovery import sync_bn_problem
 
-__all__ = ['extension_problem', 'loss_weighting', 'train_input_problem']
+__all__ = ['batch_ramp_problem', 'extension_problem', 'loss_weighting', 'train_input_problem']
 
 
 def loss_weighting(args: argparse.Namespace) -> str:
@@ -25,7 +25,7 @@ def loss_weighting(args: argparse.Namespace) -> str:
 
 
 def extension_problem(args: argparse.Namespace, world_size: int) -> Optional[str]:
-    """Why flags of the OOM recovery or noise scale cannot work with the rest of the command line, or None."""
+    """Why flags of OOM recovery, noise scale or batch ramp cannot work with the rest of the command line, or None."""
     if args.oom_grow_back is not None and not args.oom_recover:
         return '--oom-grow-back only acts after --oom-recover has shrunk the micro-batch; add --oom-recover'
     if args.oom_recover and args.aug_splits > 1:
@@ -34,8 +34,24 @@ def extension_problem(args: argparse.Namespace, world_size: int) -> Optional[str
     problem = sync_bn_problem(args.oom_recover, args.sync_bn, world_size)
     if problem:
         return problem
+    problem = batch_ramp_problem(args)
+    if problem:
+        return problem
     if args.log_noise_scale:
         return noise_scale_problem(args.grad_accum_steps, world_size, loss_weighting(args))
+    return None
+
+
+def batch_ramp_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why the --batch-ramp flags cannot work: the ramp follows the B_simple that --log-noise-scale measures."""
+    if not args.batch_ramp:
+        options = (('--batch-ramp-factor', args.batch_ramp_factor), ('--batch-ramp-max', args.batch_ramp_max),
+                   ('--batch-ramp-min-updates', args.batch_ramp_min_updates))
+        given = [flag for flag, value in options if value is not None]
+        return f'{given[0]} only acts with --batch-ramp; add --batch-ramp' if given else None
+    if not args.log_noise_scale:
+        return ('--batch-ramp follows the gradient noise scale that --log-noise-scale measures; add '
+                '--log-noise-scale (with --grad-accum-steps 2 or more, or 2+ processes)')
     return None
 
 

@@ -17,6 +17,7 @@ all-reduce the window's gradients themselves, in buckets. Noise scale (``log_noi
 `timm_ext.train.noise_monitor`): each micro-batch's and the window's gradient norms feed a B_simple estimate, with
 no extra passes.
 """
+import dataclasses
 import logging
 import math
 import time
@@ -184,6 +185,11 @@ class TrainLoop:
         self.replay: Optional[WindowReplay] = WindowReplay(
             task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps, cfg.oom_grow_back,
             cfg.world_size, cfg.rank, optimizer, self.noise) if cfg.oom_recover else None
+
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Train the next epochs with `accum_steps` micro-batches per update (--batch-ramp grows it between epochs)."""
+        if accum_steps != self.cfg.accum_steps:
+            self.cfg = dataclasses.replace(self.cfg, accum_steps=accum_steps)
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 

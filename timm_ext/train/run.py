@@ -23,7 +23,7 @@ from timm.layers import set_fast_norm
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 
 from . import checkpoint as ckpt
-from ..accum import accumulation_windows
+from ..accum import MIN_UPDATES, accumulation_windows
 from ..atomic_files import append_csv_row, atomic_text, remove_stale_tmp_files
 from ..cuda_backends import configure_cuda_backends
 from ..distributed import init_device
@@ -31,13 +31,14 @@ from ..launch import current_topology
 from ..lr import default_lr_scale
 from ..memory import device_name
 from .args import args_to_yaml
+from .batch_ramp import BatchRamp
 from .elastic import (
     ElasticResume, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume,
     resume_updates, tune_hint,
 )
 from .input_checks import loss_weighting
 from .loop import LoopConfig, TrainLoop
-from .noise_monitor import NoiseScaleSummary, write_noise_scale_row
+from .noise_monitor import write_noise_scale_row
 from .setup import disable_mixup, experiment_name
 from .stack import TrainingStack, build_training_stack
 from .stop_signal import StopOnSignal, TrainingStopped
@@ -126,6 +127,12 @@ class TrainingRun:
         self.lr_scheduler, self.num_epochs = create_scheduler_v2(
             self.stack.optimizer, **scheduler_kwargs(args, decreasing_metric=self.decreasing),
             updates_per_epoch=self.updates_per_epoch)
+        self.ramp = None
+        if args.batch_ramp:  # the schedule runs in the recipe's updates, the epochs in the ramp's (a resume: its own)
+            self.ramp = BatchRamp.for_run(args, self.stack.optimizer, self.lr_scheduler, len(loader_train),
+                                          self.num_epochs, MIN_UPDATES, ckpt.saved_ramp_state(self.resumed),
+                                          self.primary)
+            self.lr_scheduler, self.updates_per_epoch = self.ramp.scheduler, self.ramp.updates_per_epoch
 
     def restore(self) -> None:
         """Where the run starts (epoch and update), the scheduler moved there, and the checkpoint's RNG."""
@@ -201,7 +208,8 @@ class TrainingRun:
         stack = self.stack
         return ckpt.training_state(stack.task, stack.optimizer, self.args, epoch, metric, stack.grad_scaler,
                                    self.lr_scheduler, self.hardware, loop_state=self.loop.state_dict(),
-                                   updates_done=updates_done)
+                                   updates_done=updates_done,
+                                   ramp_state=self.ramp.state_dict() if self.ramp is not None else None)
 
     def save_recovery(self, epoch: int, update_idx: int) -> os.PathLike:
         """Save a recovery checkpoint after update ``update_idx`` of ``epoch``; returns its path."""
@@ -216,15 +224,23 @@ class TrainingRun:
                     resumable = self.saver is not None and epoch > self.start.epoch
                     saved = self.save_recovery(epoch - 1, self.updates_per_epoch - 1) if resumable else None
                     raise TrainingStopped(signum, f'epoch {epoch - 1}', saved)
-                noise = self.run_epoch(epoch)
-                self.end_of_epoch(epoch, noise)
+                self.replan_batch(epoch)
+                self.run_epoch(epoch)
 
-    def run_epoch(self, epoch: int) -> Optional[NoiseScaleSummary]:
-        """One epoch: train, noise-scale row, BN sync, eval, summary row, checkpoint, scheduler step.
+    def replan_batch(self, epoch: int) -> None:
+        """--batch-ramp: before ``epoch``, grow accumulation (and move the LR) from the B_simple measured so far.
 
-        Returns:
-            The noise-scale estimate after the epoch (None without --log-noise-scale).
+        Decided at the epoch's start, not after the last one's checkpoint, so a resume from that checkpoint makes
+        the same decision from the same restored estimate; an epoch resumed inside decided before it was saved.
         """
+        if self.ramp is None:
+            return
+        resumed_inside = epoch == self.start.epoch and self.start.updates_done > 0
+        if self.ramp.before_epoch(epoch, self.loop, decide=not resumed_inside):
+            self.updates_per_epoch = self.ramp.updates_per_epoch
+
+    def run_epoch(self, epoch: int) -> None:
+        """One epoch: train, noise-scale row, BN sync, eval, summary row, checkpoint, scheduler step."""
         args, loader_train = self.args, self.stack.data.loader_train
         set_loader_epoch(loader_train, epoch)
         if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
@@ -233,7 +249,7 @@ class TrainingRun:
         train_metrics = self.loop.train_one_epoch(epoch, loader_train, start_update)
         noise = self.loop.noise_scale_summary()
         if noise is not None and self.primary:
-            global_batch = args.batch_size * args.world_size * args.grad_accum_steps
+            global_batch = args.batch_size * args.world_size * self.loop.cfg.accum_steps  # --batch-ramp grows it
             _logger.info(f'Epoch {epoch}: {noise.message(global_batch)}')
             write_noise_scale_row(os.path.join(self.output_dir, 'noise_scale.csv'), epoch, noise, global_batch)
         self._distribute_bn(self.stack.task.get_trainable_module())
@@ -243,7 +259,7 @@ class TrainingRun:
                 _logger.info('Skipping eval and checkpointing this epoch (--val-interval).')
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(epoch + 1, metric=None)
-            return noise
+            return
 
         eval_metrics = self.evaluate()
         metric = (eval_metrics or train_metrics)[self.eval_metric]
@@ -261,14 +277,6 @@ class TrainingRun:
             self.lr_scheduler.step(epoch + 1, metric)
         self.results.append({'epoch': epoch, 'train': train_metrics,
                              **({'validation': eval_metrics} if eval_metrics is not None else {})})
-        return noise
-
-    def end_of_epoch(self, epoch: int, noise: Optional[NoiseScaleSummary]) -> None:
-        """The boundary after ``epoch`` (its eval, checkpoint and scheduler step are done), before the next epoch.
-
-        Nothing happens here yet: it is where a change of the batch layout between epochs belongs (re-planning
-        accumulation from ``noise``, the noise-scale estimate so far, and rescaling the LR with it).
-        """
 
     def _distribute_bn(self, module: torch.nn.Module) -> None:
         """--dist-bn: share batch-norm statistics over the ranks (broadcast rank 0's, or average them)."""

@@ -18,13 +18,14 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..accum import MIN_UPDATES
+
 __all__ = [
     'MIN_UPDATES', 'NOISE_FACTOR', 'GAIN_MARGIN', 'MAX_TUNE_SHARE', 'NoiseEstimate', 'Candidate', 'GlobalBatchChoice',
     'updates_per_epoch', 'statistical_efficiency', 'lengthened_epochs', 'choose_global_batch', 'scaled_schedule',
     'batch_warnings', 'format_candidates', 'tuning_pays', 'speeds_by_micro_batch',
 ]
 
-MIN_UPDATES = 200  # a run with fewer optimizer updates than this is warned about, and no bigger batch may go below
 NOISE_FACTOR = 4  # a global batch above this many times the measured B_noise is warned about
 GAIN_MARGIN = 0.10  # a bigger batch must be predicted this much sooner: one size's speed moves 3-9% between processes
 MAX_TUNE_SHARE = 0.05  # the global-batch search (probe and estimate) may cost at most this share of the planned run

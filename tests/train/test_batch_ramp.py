@@ -1,0 +1,256 @@
+"""--batch-ramp: the rule on synthetic B_simple values, the LR and schedule it moves, and a short run with a resume."""
+import csv
+import io
+import logging
+import math
+import sys
+
+import pytest
+import torch
+from timm.scheduler import create_scheduler_v2
+
+from conftest import REPO_ROOT, run_script
+from timm_ext.train.checkpoint import load_training_checkpoint
+from timm_ext.synthetic_data import make_image_folder
+from timm_ext.train.batch_ramp import (
+    MAX_GROWTH, BatchRamp, RampChange, RampState, RecipeClock, describe_ramp_change, lr_factor, plan_ramp, ramp_cap,
+)
+from timm_ext.train.elastic import BatchLayout
+from timm_ext.train.noise_monitor import NoiseScaleSummary
+
+LAYOUT = BatchLayout(micro_batch=8, world_size=2, accum_steps=2)  # global batch 32, 16 samples per accumulation step
+
+
+# ---- the rule ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('b_simple', [math.nan, -5.0, 0.0, math.inf])
+def test_no_estimate_keeps_the_layout(b_simple):
+    assert plan_ramp(b_simple, LAYOUT, factor=1.0, cap=100) is None
+
+
+def test_grows_to_the_largest_accumulation_within_b_simple_over_factor():
+    # B_simple / factor = 100 samples: 6 steps of 16 fit (96), 7 would not
+    assert plan_ramp(200.0, LAYOUT, factor=2.0, cap=100) == 6
+    assert plan_ramp(200.0, LAYOUT, factor=2.0, cap=4) == 4  # the cap wins
+    assert plan_ramp(47.9 * 2, LAYOUT, factor=2.0, cap=100) is None  # 2 steps (32) is all that fits: no change
+
+
+def test_cap_at_most_doubles_keeps_updates_and_max_global():
+    # 120 batches per epoch, 10 epochs: accumulation 3 and 4 still make 400 and 300 updates over the run
+    assert ramp_cap(LAYOUT, 120, 10, min_updates=200) == MAX_GROWTH * LAYOUT.accum_steps
+    assert ramp_cap(LAYOUT, 120, 10, min_updates=400) == 3  # 4 would leave 300
+    assert ramp_cap(LAYOUT, 120, 10, min_updates=10 ** 6) == LAYOUT.accum_steps  # the recipe is already short
+    assert ramp_cap(LAYOUT, 120, 10, min_updates=1, max_global=48) == 3  # 16 x 3 = 48
+    assert ramp_cap(LAYOUT, 120, 10, min_updates=1, max_global=40) == 2
+
+
+def test_lr_factor_follows_the_run_rule():
+    assert lr_factor(32, 64, 'linear') == pytest.approx(2.0)
+    assert lr_factor(32, 128, 'sqrt') == pytest.approx(2.0)
+
+
+def test_state_round_trips_through_a_weights_only_checkpoint():
+    state = RampState(4, 2, [RampChange(1, 70.5, 2, 4, 32, 64, 2.0)])
+    buffer = io.BytesIO()
+    torch.save({'batch_ramp': state.state_dict()}, buffer)
+    buffer.seek(0)
+    loaded = RampState(1, 1)
+    loaded.load_state_dict(torch.load(buffer, weights_only=True)['batch_ramp'])
+    assert loaded == state
+
+
+def test_change_is_one_log_line():
+    line = describe_ramp_change(RampChange(3, 200.0, 2, 4, 32, 64, 2.0), 2.0, 'linear', 0.1, 0.2, 50, 25)
+    assert '\n' not in line
+    for part in ('before epoch 3', 'B_simple ≈ 200.0', 'accumulation 2 -> 4', 'global batch 32 -> 64',
+                 '50 -> 25 updates', 'LR x2 by the linear rule (0.1 -> 0.2)'):
+        assert part in line, part
+
+
+# ---- applied to an optimizer and a timm scheduler ---------------------------------------------------------------
+
+class FakeLoop:
+    """What BatchRamp uses of TrainLoop: the noise summary (no estimate before the first epoch) and the setter."""
+
+    def __init__(self, b_simple: float):
+        self.b_simple = b_simple
+        self.accum_steps = None
+        self.epochs_trained = 0
+
+    def noise_scale_summary(self):
+        b_simple = self.b_simple if self.epochs_trained else math.nan
+        self.epochs_trained += 1
+        return NoiseScaleSummary(1.0, b_simple, b_simple, 10 * self.epochs_trained)
+
+    def set_accum_steps(self, accum_steps):
+        self.accum_steps = accum_steps
+
+
+def _schedule(lr, on_updates, updates_per_epoch, epochs=4, warmup_epochs=1):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler, _ = create_scheduler_v2(optimizer, 'cosine', num_epochs=epochs, warmup_epochs=warmup_epochs,
+                                       warmup_lr=1e-4, min_lr=1e-3, step_on_epochs=not on_updates,
+                                       updates_per_epoch=updates_per_epoch)
+    return optimizer, scheduler
+
+
+def _recipe_lr(lr, on_updates, updates_per_epoch, t, **kwargs):
+    """The recipe's LR at step `t` had it started at `lr` (warm-up from the same start, decay to the same floor)."""
+    return _schedule(lr, on_updates, updates_per_epoch, **kwargs)[1]._get_lr(t)[0]
+
+
+def test_per_update_schedule_runs_in_the_recipe_updates():
+    # 24 micro-batches per epoch at accumulation 2: the recipe makes 12 updates an epoch, 48 over 4 epochs
+    optimizer, scheduler = _schedule(0.1, True, 12)
+    ramp = BatchRamp(optimizer, scheduler, BatchLayout(4, 1, 2), 24, 4, factor=1.0, min_updates=1, verbose=False)
+    clock = ramp.scheduler
+    assert isinstance(clock, RecipeClock)
+    loop = FakeLoop(b_simple=1000.0)
+    for epoch in range(4):
+        ramp.before_epoch(epoch, loop)
+        upe = ramp.updates_per_epoch
+        for update in range(1, upe + 1):  # as TrainLoop counts: epoch x updates_per_epoch + update
+            clock.step_update(epoch * upe + update)
+        assert clock.last_update == (epoch + 1) * 12  # the epoch ends where the recipe's does
+        growth = ramp.state.accum_steps / 2
+        want = _recipe_lr(0.1 * growth, True, 12, (epoch + 1) * 12)
+        assert optimizer.param_groups[0]['lr'] == pytest.approx(want)
+    assert [c.new_accum for c in ramp.state.history] == [4, 8, 16] and loop.accum_steps == 16
+    assert [c.epoch for c in ramp.state.history] == [1, 2, 3]
+
+
+def test_change_during_per_epoch_warmup_keeps_the_recipe_shape():
+    # a change inside the warm-up: the warm-up still ends at the (doubled) base and the decay follows it
+    optimizer, scheduler = _schedule(0.1, False, 12, epochs=6, warmup_epochs=3)
+    ramp = BatchRamp(optimizer, scheduler, BatchLayout(4, 1, 2), 24, 6, factor=1.0, min_updates=1, verbose=False)
+    assert ramp.scheduler is scheduler  # a per-epoch schedule needs no clock: every epoch trains the same samples
+    loop = FakeLoop(b_simple=12.0)  # room for accumulation 3 only: 12 samples over micro-batches of 4
+    for epoch in range(6):
+        changed = ramp.before_epoch(epoch, loop)
+        assert changed == (epoch == 1)
+        growth = ramp.state.accum_steps / 2
+        want = _recipe_lr(0.1 * growth, False, 12, epoch, epochs=6, warmup_epochs=3) if epoch else 1e-4
+        assert optimizer.param_groups[0]['lr'] == pytest.approx(want), epoch
+        scheduler.step(epoch + 1)
+    assert lr_factor(8, 12, 'linear') == ramp.state.history[0].lr_factor == pytest.approx(1.5)
+
+
+def test_resume_continues_the_ramp_and_a_fresh_optimizer_gets_its_lr():
+    optimizer, scheduler = _schedule(0.1, False, 12)
+    ramp = BatchRamp(optimizer, scheduler, BatchLayout(4, 1, 2), 24, 4, factor=1.0, min_updates=1, verbose=False)
+    loop = FakeLoop(1000.0)
+    ramp.before_epoch(0, loop)
+    ramp.before_epoch(1, loop)
+    saved = ramp.state_dict()
+    fresh_opt, fresh_sched = _schedule(0.1, False, 12)
+    resumed = BatchRamp(fresh_opt, fresh_sched, BatchLayout(4, 1, 2), 24, 4, factor=1.0, min_updates=1,
+                        verbose=False)
+    resumed.restore(saved, fresh_optimizer=True)
+    assert resumed.state == ramp.state and resumed.updates_per_epoch == 6
+    assert fresh_sched.base_values == pytest.approx(scheduler.base_values)
+    # an elastic resume on a layout with twice the accumulation keeps the ramp's growth (x2) over it
+    elastic = BatchRamp(*_schedule(0.1, False, 6), BatchLayout(2, 1, 4), 24, 4, verbose=False)
+    elastic.restore(saved)
+    assert elastic.state.accum_steps == 8 and elastic.layout.global_batch == 16
+
+
+def test_loop_trains_the_next_epoch_with_the_new_accumulation():
+    from timm.task import ClassificationTask
+    from timm_ext.train.loop import LoopConfig, TrainLoop
+
+    class Updates:  # counts the loop's step_update calls
+        def __init__(self):
+            self.calls = []
+
+        def step_update(self, num_updates, metric=None):
+            self.calls.append(num_updates)
+
+    model = torch.nn.Linear(4, 3)
+    task = ClassificationTask(model, torch.nn.CrossEntropyLoss(), device=torch.device('cpu'), verbose=False)
+    updates = Updates()
+    loop = TrainLoop(task, torch.optim.SGD(model.parameters(), lr=0.1),
+                     LoopConfig(device=torch.device('cpu'), accum_steps=2, batch_size=2, log_interval=10 ** 9),
+                     lr_scheduler=updates)
+    batches = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(8)]
+    loop.train_one_epoch(0, batches)
+    loop.set_accum_steps(4)
+    loop.train_one_epoch(1, batches)
+    assert updates.calls == [1, 2, 3, 4, 3, 4] and loop.cfg.accum_steps == 4
+
+
+# ---- train.py ------------------------------------------------------------------------------------------------------
+
+# 96 images in micro-batches of 4 against windows of 8: a positive B_simple after every epoch at this LR; a tiny
+# factor and update guard let it grow the accumulation at both boundaries (at most doubling: 2 -> 4 -> 8); recovery
+# checkpoints every 5 updates: the newest two are recovery-0-9 and recovery-1-4
+RAMP_RUN = ('--val-split', '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+            '--workers', '0', '-b', '4', '--grad-accum-steps', '2', '--lr', '0.05', '--epochs', '3',
+            '--sched', 'cosine', '--warmup-epochs', '1', '--sched-on-updates', '--log-noise-scale',
+            '--batch-ramp', '--batch-ramp-factor', '0.01', '--batch-ramp-min-updates', '1', '--recovery-interval', '5')
+
+
+def _rows(path):
+    with open(path, newline='') as f:
+        return list(csv.DictReader(f))
+
+
+def test_run_grows_the_batch_and_a_resume_continues_the_ramp(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=32)
+    whole = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'whole', *RAMP_RUN)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    changes = [line for line in whole.stderr.splitlines() if 'Batch ramp before epoch' in line]
+    assert len(changes) == 2, whole.stderr[-3000:]
+    assert 'accumulation 2 -> 4' in changes[0] and 'accumulation 4 -> 8' in changes[1]
+    run = tmp_path / 'whole'
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
+    # cosine over the recipe's 36 updates (12 an epoch): each epoch ends at its recipe point, LR doubled per change
+    recipe = [0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for t in (12, 24, 36)]
+    lrs = [float(r['lr']) for r in _rows(run / 'summary.csv')]
+    assert lrs == pytest.approx([recipe[0], 2 * recipe[1], 4 * recipe[2]], abs=1e-9)
+    state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
+    assert state['accum_steps'] == 8 and [c['new_accum'] for c in state['history']] == [4, 8]
+
+    # resumed from the end of epoch 0: the same decision from the checkpoint's B_simple, the same LR and batches
+    resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'resumed', *RAMP_RUN,
+                         '--resume', str(run / 'checkpoint-0.pth.tar'))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = [line for line in resumed.stderr.splitlines() if 'Batch ramp before epoch' in line]
+    assert again == changes
+    rows, resumed_rows = _rows(run / 'summary.csv')[1:], _rows(tmp_path / 'resumed' / 'summary.csv')
+    assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
+    assert [float(r['train_loss']) for r in resumed_rows] == pytest.approx([float(r['train_loss']) for r in rows],
+                                                                            rel=1e-4)
+    assert [r['global_batch'] for r in _rows(tmp_path / 'resumed' / 'noise_scale.csv')] == ['16', '32']
+
+    # resumed inside epoch 1 (5 of its 6 updates at accumulation 4 done): no second decision for epoch 1
+    inside = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'inside', *RAMP_RUN,
+                        '--resume', str(run / 'recovery-1-4.pth.tar'))
+    assert inside.returncode == 0, inside.stderr[-3000:]
+    assert [line for line in inside.stderr.splitlines() if 'Batch ramp before epoch' in line] == changes[1:]
+    inside_rows = _rows(tmp_path / 'inside' / 'summary.csv')
+    assert [(r['epoch'], float(r['lr'])) for r in inside_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
+    assert [r['global_batch'] for r in _rows(tmp_path / 'inside' / 'noise_scale.csv')] == ['16', '32']
+
+
+@pytest.mark.parametrize('flags,words', [
+    (['--batch-ramp', '--grad-accum-steps', '2'], '--batch-ramp follows the gradient noise scale'),
+    (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max', '64'], '--batch-ramp-max only acts'),
+    (['--batch-ramp', '--log-noise-scale'], 'two batch sizes'),
+    (['--batch-ramp', '--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-factor', '0'],
+     '--batch-ramp-factor'),
+])
+def test_unusable_ramp_flags_are_one_line_errors(image_folder, tmp_path, monkeypatch, capsys, flags, words):
+    sys.path.insert(0, str(REPO_ROOT))
+    import train as train_script
+    monkeypatch.setattr(logging.root, 'handlers', [])
+    argv = ['--data-dir', str(image_folder), '--model', 'test_vit', '--device', 'cpu', '--output',
+            str(tmp_path / 'out'), *flags]
+    try:
+        code = train_script.main(argv)
+    except SystemExit as e:  # a value outside its domain is refused while parsing, as argparse does
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error' in line.lower()]
+    assert 'Traceback' not in err and len(lines) == 1 and words in lines[0], err
+    assert not (tmp_path / 'out').exists()
