@@ -90,6 +90,10 @@ EVAL_MAX_FACTOR = 8  # the eval probe tries up to this many training micro-batch
 EVAL_PROBE_TRIALS = 3  # what the eval probe is budgeted at, for judging whether it pays
 FORWARD_SHARE = 1 / 3  # an eval forward takes about this share of a training step's time (forward + backward)
 SELECTIONS = ('auto', 'critical') + SELECT_MODES
+CPU_SHAPE_CACHE_NOTE = (
+    'Note: on CPU oneDNN caches kernels and their buffers per input shape, so the sizes of a schedule add up in one '
+    'process; each batch fits at its size alone. Train with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (probe with it too, '
+    'to probe what training then uses).')
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -152,11 +156,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         # everything train.py would refuse, before any probe (ranks under torchrun read the world from the environment)
         check_arg_combinations(args, world_size=None if 'WORLD_SIZE' in os.environ else args.nproc)
+        given = given_dests(argv, parser)
+        schedule_mode(args, given)  # a schedule it cannot honour is refused before any probe
         check_inputs(args)
         if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
             return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
-        given = given_dests(argv, parser)
-        schedule_mode(args, given)  # a schedule it cannot honour is refused before any probe
         return tune(parser, args, given)
     except TimmExtError as e:
         return report(prog, e)
@@ -462,6 +466,8 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
     plan, average = plan_schedule(args, batches, request.world_size, batch_size, how)
     lines = [f'Schedule --train-img-sizes {" ".join(r.label for r in results)}: train_batch_sizes {batches} ({how}); '
              f'-b {batch_size} is then only the eval batch train.py falls back to.']
+    if request.device.type == 'cpu' and os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY') != '0':
+        lines.append(CPU_SHAPE_CACHE_NOTE)
     return TunedRun(top.outcome, plan, lines=lines, sizes=results, size_batches=batches)
 
 
