@@ -30,6 +30,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common import run_json_worker  # noqa: E402  (bench/common.py)
+
 
 def worker_trial(flags: List[str], budget: str, size: int, batch: int) -> None:
     """One training trial at `batch` and input `size` in this fresh process, under the cap; prints the trial."""
@@ -50,13 +52,8 @@ def worker_trial(flags: List[str], budget: str, size: int, batch: int) -> None:
     print(json.dumps(trial.to_dict()))
 
 
-def run_worker(*argv, timeout: float = 900) -> dict:
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO)}
-    result = subprocess.run([sys.executable, __file__, '--worker', json.dumps(argv)], capture_output=True, text=True,
-                            env=env, timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f'worker failed: {result.stderr[-2000:]}')
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def run_worker(*argv) -> dict:
+    return run_json_worker(__file__, argv, REPO)
 
 
 def fitted(flags: List[str], budget: str, size: int, guess: int) -> Tuple[int, Dict[int, str]]:

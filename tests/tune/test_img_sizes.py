@@ -199,6 +199,17 @@ def test_each_size_gets_its_own_batch_under_the_cap(scheduled):
 
 
 @linux_only
+def test_a_second_identical_schedule_is_served_from_the_cache_size_by_size(scheduled, folder):
+    tmp_path, config, _ = scheduled
+    again = tmp_path / 'again.yaml'
+    result = tune(tmp_path, folder, *SIZES, '--epochs', '1', '--tuned-config', again, '--dry-run')
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count('cached result') == 3, 'one cache entry per size: the key holds the input size'
+    assert yaml.safe_load(again.read_text())['train_batch_sizes'] == yaml.safe_load(config.read_text())[
+        'train_batch_sizes']
+
+
+@linux_only
 def test_lr_follows_timms_rule_for_the_average_batch(scheduled):
     tmp_path, config, out = scheduled
     batches = yaml.safe_load(config.read_text())['train_batch_sizes']

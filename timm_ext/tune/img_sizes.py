@@ -26,7 +26,6 @@ from ..lr import resolve_lr
 from ..memory import format_bytes
 from ..probe.search import BatchGrid
 from ..probe.trial import ProbeOutcome
-from ..train.setup import batch_multiple
 from .plan import RunPlan
 
 __all__ = [
