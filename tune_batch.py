@@ -19,6 +19,11 @@ recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a 
 run is long enough to pay for measuring the gradient noise scale (`timm_ext.tune.critical_batch`) and the bigger batch is
 predicted to reach the recipe's result clearly sooner, the run lengthened to match (`timm_ext.tune.batch_choice`).
 
+A `--train-img-sizes` schedule gets a batch per size (`timm_ext.tune.img_sizes`): each size probed and written as
+`train_batch_sizes` (a stock key), each the largest that fits, with the LR of the schedule's average batch as timm
+computes it; `--train-batch-sizes` the recipe sets are kept (each checked with one trial), and a recipe's `-b` or
+`--target-global-batch` stays the batch at every size, as in stock.
+
 The evaluation between epochs keeps no activations for a backward pass, so several times the training micro-batch
 fits: when the run evaluates long enough for a few forward-only trials to pay (`plan_eval_batch`), they find the
 largest eval batch within the same budget and the YAML sets `validation_batch_size` (a stock key).
@@ -426,8 +431,10 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     else:
         tuned = choose_by_time(request, recipe_global, set_by, train_samples, max_batch)
     if mode == RECIPE:
-        tuned.lines.append(f'--train-img-sizes: the recipe\'s batch ({set_by or "--target-global-batch"}) trains at '
-                           f'every size, as in stock timm; probed at the largest size, {tuned.outcome.describe}.')
+        tuned.lines.append(f'--train-img-sizes: the recipe\'s batch ({set_by}) trains at every size, as in stock '
+                           f'timm; probed at the largest size, {tuned.outcome.describe}.')
+        if device.type == 'cpu' and os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY') != '0':
+            tuned.lines.append(CPU_SHAPE_CACHE_NOTE)
     epochs = tuned.schedule.get('epochs', args.epochs)
     updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
     tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]

@@ -46,6 +46,7 @@ def namespace(*argv: str) -> argparse.Namespace:
     ([*SIZES, '--select', 'max'], set(), EQUALISE),
     ([*SIZES, '--train-batch-sizes', '8', '8', '8'], {'train_batch_sizes'}, KEPT),
     ([*SIZES, '-b', '16'], {'batch_size'}, RECIPE),
+    ([*SIZES, '-b', '16', '--select', 'max'], {'batch_size'}, EQUALISE),  # max: the largest that fits, at each size
     ([*SIZES, '--target-global-batch', '64'], set(), RECIPE),
     ([*SIZES, '--grad-accum-steps', '2'], {'grad_accum_steps'}, EQUALISE),  # accumulation alone sets no batch
 ])
@@ -243,6 +244,17 @@ def test_given_train_batch_sizes_are_kept_with_one_trial_each(tmp_path, folder):
     assert yaml.safe_load(config.read_text())['train_batch_sizes'] == [16, 8, 4]
     assert len([line for line in result.stdout.splitlines() if line.startswith('  batch ')]) == 3
     assert 'as given, each checked to fit' in result.stdout
+
+
+@linux_only
+def test_a_recipes_batch_trains_at_every_size_as_in_stock(tmp_path, folder):
+    config = tmp_path / 't.yaml'
+    result = tune(tmp_path, folder, *SIZES, '-b', '8', '--tuned-config', config, '--dry-run')
+    assert result.returncode == 0, result.stderr[-3000:]
+    values = yaml.safe_load(config.read_text())
+    assert values['batch_size'] == 8 and 'train_batch_sizes' not in values
+    assert 'trains at every size, as in stock timm; probed at the largest size' in result.stdout
+    assert len([line for line in result.stdout.splitlines() if line.startswith('  batch ')]) == 1
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:

@@ -8,7 +8,7 @@ most of the memory at the smaller ones, so tune_batch.py probes each size with r
 
 What the recipe sets is kept (`schedule_mode`): `--train-batch-sizes` as given (one trial each checks it fits), and
 a `-b` or `--target-global-batch` set by the recipe is the batch at every size, as in stock timm, planned as without
-a schedule. `--grad-accum-steps` is kept either way and multiplies every size's batch.
+a schedule (`--select max` still equalises over a `-b`: it asks for the largest batch that fits). `--grad-accum-steps` is kept either way and multiplies every size's batch.
 
 The largest size is probed first, from `--probe-start`; each smaller size starts from the batch found at the next
 larger one scaled by their pixel ratio (`scaled_start`): the same activation memory, with the same fixed memory
@@ -53,8 +53,8 @@ def schedule_mode(args: argparse.Namespace, given: Set[str]) -> Optional[str]:
         if args.target_global_batch:
             raise UsageError('--target-global-batch sets one batch for every size; with --train-batch-sizes drop it')
         return KEPT
-    if 'batch_size' in given or args.target_global_batch:
-        return RECIPE
+    if args.target_global_batch or ('batch_size' in given and args.select != 'max'):
+        return RECIPE  # --select max asks for the largest batch that fits: at each size, whatever -b says
     if args.select in ('critical', 'throughput'):
         raise UsageError(f'--select {args.select} chooses one batch for every size; with --train-img-sizes use '
                          f'--select auto or max (each size then gets the largest batch that fits)')
