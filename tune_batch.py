@@ -80,7 +80,7 @@ from timm_ext.tune.plan import (
 )
 from timm_ext.tune.img_sizes import (
     EQUALISE, KEPT, RECIPE, SizeResult, check_kept_fits, format_size_table, plan_schedule, probe_schedule,
-    schedule_inputs, schedule_mode, size_trial_args,
+    schedule_inputs, schedule_mode, shape_cache_note, size_trial_args,
 )
 from timm_ext.tune.plot import write_probe_plot
 
@@ -95,10 +95,6 @@ EVAL_MAX_FACTOR = 8  # the eval probe tries up to this many training micro-batch
 EVAL_PROBE_TRIALS = 3  # what the eval probe is budgeted at, for judging whether it pays
 FORWARD_SHARE = 1 / 3  # an eval forward takes about this share of a training step's time (forward + backward)
 SELECTIONS = ('auto', 'critical') + SELECT_MODES
-CPU_SHAPE_CACHE_NOTE = (
-    'Note: on CPU oneDNN caches kernels and their buffers per input shape, so the sizes of a schedule add up in one '
-    'process; each batch fits at its size alone. Train with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (probe with it too, '
-    'to probe what training then uses).')
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -433,8 +429,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     if mode == RECIPE:
         tuned.lines.append(f'--train-img-sizes: the recipe\'s batch ({set_by}) trains at every size, as in stock '
                            f'timm; probed at the largest size, {tuned.outcome.describe}.')
-        if device.type == 'cpu' and os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY') != '0':
-            tuned.lines.append(CPU_SHAPE_CACHE_NOTE)
+        tuned.lines += shape_cache_note(device)
     epochs = tuned.schedule.get('epochs', args.epochs)
     updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
     tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]
@@ -470,11 +465,9 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
     top = max(results, key=lambda r: r.input_size[1] * r.input_size[2])
     batch_size = args.batch_size if 'batch_size' in given else top.batch
     how = 'as given, each checked to fit' if wanted else 'each the largest that fits at its size'
-    plan, average = plan_schedule(args, batches, request.world_size, batch_size, how)
+    plan, _ = plan_schedule(args, batches, request.world_size, batch_size, how)
     lines = [f'Schedule --train-img-sizes {" ".join(r.label for r in results)}: train_batch_sizes {batches} ({how}); '
-             f'-b {batch_size} is then only the eval batch train.py falls back to.']
-    if request.device.type == 'cpu' and os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY') != '0':
-        lines.append(CPU_SHAPE_CACHE_NOTE)
+             f'-b {batch_size} is then only the eval batch train.py falls back to.', *shape_cache_note(request.device)]
     return TunedRun(top.outcome, plan, lines=lines, sizes=results, size_batches=batches)
 
 
@@ -610,7 +603,7 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     if sel.caveat:
         lines.append(f'Note: {sel.caveat}.')
     lines += tuned.lines
-    if plan.micro_batch != sel.batch_size:
+    if plan.micro_batch != sel.batch_size and tuned.size_batches is None:
         lines.append(f'Micro-batch {plan.micro_batch} used to build the global batch.')
     if tuned.size_batches is not None:
         lines.append(f'Accumulation {plan.accum_steps} (--grad-accum-steps as given): {plan.reason}.')

@@ -17,7 +17,7 @@ from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.args import parse_args
 from timm_ext.tune.img_sizes import (
     EQUALISE, KEPT, RECIPE, SizeResult, average_batch, check_kept_fits, format_size_table, plan_schedule,
-    probe_schedule, scaled_start, schedule_inputs, schedule_mode, size_trial_args,
+    probe_schedule, scaled_start, schedule_inputs, schedule_mode, shape_cache_note, size_trial_args,
 )
 
 from conftest import REPO_ROOT, run_script
@@ -141,6 +141,15 @@ def test_size_table_has_a_row_per_size():
     results = [SizeResult((3, 32, 32), 60, outcome(60)), SizeResult((3, 64, 64), 16, outcome(16))]
     table = format_size_table(results, [60, 16]).splitlines()
     assert len(table) == 3 and 'given' in table[0] and '32x32' in table[1] and '16.00 MiB' in table[2]
+
+
+def test_the_cpu_shape_cache_note_only_where_the_cache_is_on(monkeypatch):
+    import torch
+    monkeypatch.delenv('ONEDNN_PRIMITIVE_CACHE_CAPACITY', raising=False)
+    assert 'ONEDNN_PRIMITIVE_CACHE_CAPACITY=0' in shape_cache_note(torch.device('cpu'))[0]
+    assert shape_cache_note(torch.device('cuda')) == []
+    monkeypatch.setenv('ONEDNN_PRIMITIVE_CACHE_CAPACITY', '0')
+    assert shape_cache_note(torch.device('cpu')) == []
 
 
 # ---- a real schedule under a real cap ----------------------------------------------------------------------------

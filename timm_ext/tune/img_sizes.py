@@ -8,7 +8,11 @@ most of the memory at the smaller ones, so tune_batch.py probes each size with r
 
 What the recipe sets is kept (`schedule_mode`): `--train-batch-sizes` as given (one trial each checks it fits), and
 a `-b` or `--target-global-batch` set by the recipe is the batch at every size, as in stock timm, planned as without
-a schedule (`--select max` still equalises over a `-b`: it asks for the largest batch that fits). `--grad-accum-steps` is kept either way and multiplies every size's batch.
+a schedule (`--select max` still equalises over a `-b`: it asks for the largest batch that fits).
+`--grad-accum-steps` is kept either way and multiplies every size's batch.
+
+On CPU, oneDNN caches each input shape's kernels with their buffers, so in one process the sizes of a schedule add up
+(`shape_cache_note`); a batch that fits at its size alone then fits in the mix with that cache off.
 
 The largest size is probed first, from `--probe-start`; each smaller size starts from the batch found at the next
 larger one scaled by their pixel ratio (`scaled_start`): the same activation memory, with the same fixed memory
@@ -16,9 +20,11 @@ larger one scaled by their pixel ratio (`scaled_start`): the same activation mem
 """
 import argparse
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from timm.data import ScheduledBatchSampler
 
 from ..errors import UsageError
@@ -31,6 +37,7 @@ from .plan import RunPlan
 __all__ = [
     'EQUALISE', 'KEPT', 'RECIPE', 'SizeResult', 'schedule_mode', 'schedule_inputs', 'size_trial_args',
     'scaled_start', 'probe_schedule', 'average_batch', 'plan_schedule', 'format_size_table', 'check_kept_fits',
+    'shape_cache_note',
 ]
 
 # Probes the training batch at an input (C, H, W), from a start, up to a limit
@@ -195,3 +202,13 @@ def format_size_table(results: Sequence[SizeResult], wanted: Optional[Sequence[i
                f'{format_bytes(peak) if peak else "-":>10}')
         rows.append(row + (f' {wanted[i]:>6}' if wanted else '') + cached)
     return '\n'.join(rows)
+
+
+def shape_cache_note(device: torch.device) -> List[str]:
+    """The report's warning for a schedule on CPU, where oneDNN's per-shape cache makes the sizes add up (none when
+    the cache is off, or on other devices)."""
+    if device.type != 'cpu' or os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY') == '0':
+        return []
+    return ['Note: on CPU oneDNN caches kernels and their buffers per input shape, so the sizes of a schedule add up '
+            'in one process; each batch fits at its size alone. Train with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (and '
+            'probe with it, to probe what training then uses).']
