@@ -19,6 +19,11 @@ recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a 
 run is long enough to pay for measuring the gradient noise scale (`timm_ext.tune.critical_batch`) and the bigger batch is
 predicted to reach the recipe's result clearly sooner, the run lengthened to match (`timm_ext.tune.batch_choice`).
 
+A `--train-img-sizes` schedule gets a batch per size (`timm_ext.tune.img_sizes`): each size probed and written as
+`train_batch_sizes` (a stock key), each the largest that fits, with the LR of the schedule's average batch as timm
+computes it; `--train-batch-sizes` the recipe sets are kept (each checked with one trial), and a recipe's `-b` or
+`--target-global-batch` stays the batch at every size, as in stock.
+
 The evaluation between epochs keeps no activations for a backward pass, so several times the training micro-batch
 fits: when the run evaluates long enough for a few forward-only trials to pay (`plan_eval_batch`), they find the
 largest eval batch within the same budget and the YAML sets `validation_batch_size` (a stock key).
@@ -72,6 +77,10 @@ from timm_ext.train.setup import SetupError, batch_multiple, build_datasets, che
 from timm_ext.tune.plan import (
     RunPlan, config_values, extension_flags, plan_global_batch, plan_run, shell_line, train_command,
     tuned_config_text,
+)
+from timm_ext.tune.img_sizes import (
+    EQUALISE, KEPT, RECIPE, SizeResult, check_kept_fits, format_size_table, plan_schedule, probe_schedule,
+    schedule_inputs, schedule_mode, shape_cache_note, size_trial_args,
 )
 from timm_ext.tune.plot import write_probe_plot
 
@@ -148,10 +157,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         # everything train.py would refuse, before any probe (ranks under torchrun read the world from the environment)
         check_arg_combinations(args, world_size=None if 'WORLD_SIZE' in os.environ else args.nproc)
+        given = given_dests(argv, parser)
+        schedule_mode(args, given)  # a schedule it cannot honour is refused before any probe
         check_inputs(args)
         if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
             return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
-        return tune(parser, args, given_dests(argv, parser))
+        return tune(parser, args, given)
     except TimmExtError as e:
         return report(prog, e)
     except KeyboardInterrupt:
@@ -289,6 +300,8 @@ class TunedRun:
     eval_batch: Optional[int] = None
     eval_outcome: Optional[ProbeOutcome] = None
     eval_lines: List[str] = field(default_factory=list)
+    sizes: List[SizeResult] = field(default_factory=list)  # a --train-img-sizes schedule's probes, one per size
+    size_batches: Optional[List[int]] = None  # the train_batch_sizes the run trains at
 
 
 def recipe_global_batch(args: argparse.Namespace, given: Set[str], world_size: int) -> Tuple[int, str]:
@@ -400,7 +413,10 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     request = ProbeRequest(args, setup, device, budget, budget.resolve(device), grid, world_size,
                            os.path.splitext(config_path)[0] + '.trials.json')
     recipe_global, set_by = recipe_global_batch(args, given, world_size)
-    if args.select == 'max':
+    mode = schedule_mode(args, given)
+    if mode in (EQUALISE, KEPT):
+        tuned = tune_schedule(request, mode, max_batch, given)
+    elif args.select == 'max':
         outcome = request.run('max', max_batch)
         tuned = TunedRun(outcome, plan_run(args, outcome.selection.batch_size, world_size, args.target_global_batch))
     elif args.select == 'throughput':
@@ -410,6 +426,10 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
             f'makes the global batch bigger.'])
     else:
         tuned = choose_by_time(request, recipe_global, set_by, train_samples, max_batch)
+    if mode == RECIPE:
+        tuned.lines.append(f'--train-img-sizes: the recipe\'s batch ({set_by}) trains at every size, as in stock '
+                           f'timm; probed at the largest size, {tuned.outcome.describe}.')
+        tuned.lines += shape_cache_note(device)
     epochs = tuned.schedule.get('epochs', args.epochs)
     updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
     tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]
@@ -421,6 +441,34 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
     return tuned
+
+
+def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[str]) -> TunedRun:
+    """A --train-img-sizes schedule (`timm_ext.tune.img_sizes`): the batch at each size probed (or the given one
+    checked), and the LR of the schedule's average batch."""
+    args, largest = request.args, tuple(request.setup.input_size)
+    wanted = list(args.train_batch_sizes) if mode == KEPT else None
+    base = os.path.splitext(request.trials_path)[0]
+
+    def probe_at(input_size: Tuple[int, int, int], start: int, limit: int) -> ProbeOutcome:
+        # the run's own setup where it already trains at this size; else one for this size, released after
+        setup = (request.setup if tuple(input_size) == largest else
+                 build_train_trial(size_trial_args(args, input_size), request.device))
+        label = 'x'.join(map(str, input_size[1:]))
+        return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json').run('max', limit, start)
+
+    results = probe_schedule(schedule_inputs(args, largest[0]), probe_at, args.probe_start, request.grid, max_batch,
+                             batch_multiple(args), wanted)
+    if wanted is not None:
+        check_kept_fits(results, wanted)
+    batches = wanted or [r.batch for r in results]
+    top = max(results, key=lambda r: r.input_size[1] * r.input_size[2])
+    batch_size = args.batch_size if 'batch_size' in given else top.batch
+    how = 'as given, each checked to fit' if wanted else 'each the largest that fits at its size'
+    plan, _ = plan_schedule(args, batches, request.world_size, batch_size, how)
+    lines = [f'Schedule --train-img-sizes {" ".join(r.label for r in results)}: train_batch_sizes {batches} ({how}); '
+             f'-b {batch_size} is then only the eval batch train.py falls back to.', *shape_cache_note(request.device)]
+    return TunedRun(top.outcome, plan, lines=lines, sizes=results, size_batches=batches)
 
 
 def eval_probe_pays(request: ProbeRequest, eval_s: float, cost_s: float) -> bool:
@@ -484,12 +532,18 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     values = {**config_values(train_args, parser, stock_dests, tuned.plan), **tuned.schedule}
     if tuned.eval_batch is not None:
         values['validation_batch_size'] = tuned.eval_batch
+    if tuned.size_batches is not None:
+        values['train_batch_sizes'] = tuned.size_batches
     extras = extension_flags(train_args, parser, extension_dests)
     topology = current_topology() if args.distributed else None  # the launch training must repeat
     command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras, topology)
     report = report_lines(tuned, args, extras)
     if primary:
         tables = ['', 'Trials:', format_table(tuned.outcome.trials, tuned.outcome.budget), '']
+        if tuned.sizes:
+            wanted = tuned.size_batches if 'train_batch_sizes' in given else None
+            tables += ['Per size (the trials above are the largest size\'s):', format_size_table(tuned.sizes, wanted),
+                       '']
         if tuned.eval_outcome is not None:
             tables += ['Eval trials:', format_table(tuned.eval_outcome.trials, tuned.eval_outcome.budget), '']
         print('\n'.join(tables + report))
@@ -549,13 +603,14 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     if sel.caveat:
         lines.append(f'Note: {sel.caveat}.')
     lines += tuned.lines
-    if plan.micro_batch != sel.batch_size:
+    if plan.micro_batch != sel.batch_size and tuned.size_batches is None:
         lines.append(f'Micro-batch {plan.micro_batch} used to build the global batch.')
-    lines += [
-        f'Accumulation {plan.accum_steps}, {plan.world_size} rank(s): global batch {plan.global_batch} = '
-        f'{plan.micro_batch} x {plan.world_size} x {plan.accum_steps}. {plan.reason}',
-        f'LR {plan.lr:g} ({plan.lr_rule or "given"}): {plan.lr_reason}',
-    ]
+    if tuned.size_batches is not None:
+        lines.append(f'Accumulation {plan.accum_steps} (--grad-accum-steps as given): {plan.reason}.')
+    else:
+        lines.append(f'Accumulation {plan.accum_steps}, {plan.world_size} rank(s): global batch {plan.global_batch} = '
+                     f'{plan.micro_batch} x {plan.world_size} x {plan.accum_steps}. {plan.reason}')
+    lines.append(f'LR {plan.lr:g} ({plan.lr_rule or "given"}): {plan.lr_reason}')
     lines += tuned.eval_lines
     if tuned.schedule:
         changes = ', '.join(f'{key} {value}' for key, value in sorted(tuned.schedule.items()))

@@ -34,15 +34,15 @@ Results are printed and saved to bench/results/bench_probe.json.
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from common import run_json_worker  # noqa: E402  (bench/common.py)
 
 CONFIGS = [
     # (name, train.py flags, budget): CPU, under RLIMIT_DATA
@@ -136,12 +136,7 @@ def worker_sweep(flags, sizes, rounds):
 
 
 def run_worker(*argv, timeout=900):
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO)}
-    result = subprocess.run([sys.executable, __file__, '--worker', json.dumps(argv)], capture_output=True, text=True,
-                            env=env, timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f'worker {argv[0]} failed: {result.stderr[-2000:]}')
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json_worker(__file__, argv, REPO, timeout)
 
 
 def oracle(flags, budget):

@@ -1,6 +1,9 @@
 """What the loop benchmarks share: their command line, device sync, and the synthetic batches they train on."""
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import List, Tuple
@@ -49,3 +52,13 @@ def write_result(path: str, result: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
+
+
+def run_json_worker(script: str, argv: tuple, repo: Path, timeout: float = 900) -> dict:
+    """Run `script --worker ARGV` in a fresh interpreter (one thread) and return the JSON its last line prints."""
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(repo)}
+    done = subprocess.run([sys.executable, script, '--worker', json.dumps(argv)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f'worker {argv[0]} failed: {done.stderr[-2000:]}')
+    return json.loads(done.stdout.strip().splitlines()[-1])
