@@ -405,7 +405,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     budget = parse_budget(args.mem_budget or '1.0')
     grid = default_grid(device.type, args.batch_multiple)
     setup = build_train_trial(args, device)
-    dataset_train, dataset_eval = build_datasets(copy.deepcopy(args), 'RGB' if setup.input_size[0] == 3 else 'L')
+    dataset_train, dataset_eval = build_datasets(args, 'RGB' if setup.input_size[0] == 3 else 'L')
     train_samples = len(dataset_train)
     max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
     if max_batch < 1:
