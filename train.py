@@ -48,7 +48,8 @@ def main(argv=None, prog: str = 'train.py') -> int:
         if not lost_peer(e):
             raise
         reason = ' '.join(str(e).split())[:160]
-        print(f'{prog}: error: rank {args.rank} lost contact with the other processes of the run (one died or '
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print(f'{prog}: error: rank {rank} lost contact with the other processes of the run (one died or '
               f'the network failed: {reason}); stopping, the checkpoints on disk are complete', file=sys.stderr)
         return 1
     except torch._dynamo.exc.BackendCompilerFailed as e:

@@ -15,6 +15,7 @@ import torch
 
 from conftest import REPO_ROOT
 from timm_ext import amp as amp_mod
+from timm_ext.train import run as train_run
 from timm_ext.tune import critical_batch
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, init_device
@@ -68,7 +69,7 @@ def cpu_train_args(image_folder) -> argparse.Namespace:
 
 def test_train_sets_the_flags_for_its_device(monkeypatch, image_folder):
     train_script = load_script('train')
-    calls = spy_on_flags(monkeypatch, train_script)
+    calls = spy_on_flags(monkeypatch, train_run)  # the run's build phase configures the backends
     with pytest.raises(Stop):
         train_script.train(cpu_train_args(image_folder), '')
     assert calls == [torch.device('cpu')]
