@@ -8,7 +8,7 @@ and the scheduler's ``step_update`` happen once per window. Losses stay on the d
 (``.item()``) only on log lines and at the end of the epoch.
 
 Extension points: :meth:`TrainLoop.forward_backward` is one micro-batch (or any slice of one, weighted by its own
-samples), :meth:`TrainLoop.optimizer_update` sees a window's complete gradient before it is applied.
+samples), `apply_update` sees a window's complete gradient before it is applied.
 
 Two options build on them. OOM recovery (``oom_recover``, `timm_ext.train.oom_replay.WindowReplay`): a window that
 runs out of memory is replayed with each loader batch cut into twice as many pieces, each weighted by its share of
@@ -188,8 +188,7 @@ class TrainLoop:
 
     def set_accum_steps(self, accum_steps: int) -> None:
         """Train the next epochs with `accum_steps` micro-batches per update (--batch-ramp grows it between epochs)."""
-        if accum_steps != self.cfg.accum_steps:
-            self.cfg = dataclasses.replace(self.cfg, accum_steps=accum_steps)
+        self.cfg = dataclasses.replace(self.cfg, accum_steps=accum_steps)
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 
@@ -221,30 +220,8 @@ class TrainLoop:
     # ---- one window ---------------------------------------------------------------------------------------------
 
     def optimizer_update(self, grad_correction: float = 1.0) -> None:
-        """Apply a window's accumulated gradient: unscale, correct, clip, step, then zero the gradients.
-
-        Args:
-            grad_correction: Factor on the accumulated gradient, for a window whose micro-batches held fewer
-                samples than nominal (keeps the window a true mean).
-        """
-        needs_grads = grad_correction != 1.0 or self.cfg.clip_grad is not None
-        if needs_grads and self.grad_scaler is not None:
-            self.grad_scaler.unscale_(self.optimizer)
-        if grad_correction != 1.0:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
-            torch._foreach_mul_(grads, grad_correction)
-        if self.cfg.clip_grad is not None:
-            dispatch_clip_grad(
-                self.task.get_clip_parameters(exclude_head='agc' in self.cfg.clip_mode),
-                value=self.cfg.clip_grad,
-                mode=self.cfg.clip_mode,
-            )
-        if self.grad_scaler is not None:
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """Apply a window's accumulated gradient with this loop's settings (`apply_update`)."""
+        apply_update(self.task, self.optimizer, self.cfg, self.grad_scaler, grad_correction)
 
     def train_window(self, batches: Iterator, window_len: int, where: str) -> Tuple[torch.Tensor, int, float, Any]:
         """Forward and backward over the next ``window_len`` batches; their gradients add up in ``.grad``.
@@ -392,6 +369,38 @@ class TrainLoop:
     ) -> Dict[str, float]:
         """`evaluate` with this loop's settings and autocast."""
         return evaluate(model, loader, loss_fn, self.cfg, self.amp_autocast, tta, log_suffix)
+
+
+def apply_update(task: nn.Module, optimizer: torch.optim.Optimizer, cfg: LoopConfig,
+                 grad_scaler: Optional[torch.amp.GradScaler] = None, grad_correction: float = 1.0) -> None:
+    """Apply a window's accumulated gradient: unscale, correct, clip, step, then zero the gradients.
+
+    Args:
+        task: The training task (its clip parameters).
+        optimizer: The optimizer.
+        cfg: Loop settings (clipping).
+        grad_scaler: The AMP loss scaler, or None.
+        grad_correction: Factor on the accumulated gradient, for a window whose micro-batches held fewer
+            samples than nominal (keeps the window a true mean).
+    """
+    needs_grads = grad_correction != 1.0 or cfg.clip_grad is not None
+    if needs_grads and grad_scaler is not None:
+        grad_scaler.unscale_(optimizer)
+    if grad_correction != 1.0:
+        grads = [p.grad for g in optimizer.param_groups for p in g['params'] if p.grad is not None]
+        torch._foreach_mul_(grads, grad_correction)
+    if cfg.clip_grad is not None:
+        dispatch_clip_grad(
+            task.get_clip_parameters(exclude_head='agc' in cfg.clip_mode),
+            value=cfg.clip_grad,
+            mode=cfg.clip_mode,
+        )
+    if grad_scaler is not None:
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @torch.inference_mode()

@@ -230,9 +230,8 @@ class TrainingRun:
     def replan_batch(self, epoch: int) -> None:
         """--batch-ramp: before ``epoch``, grow accumulation (and move the LR) from the B_simple measured so far.
 
-        Decided at the epoch's start, not after the last one's checkpoint, so a resume from that checkpoint makes
-        the same decision from the same restored estimate; an epoch resumed inside decided before it was saved.
-        """
+        Decided at the epoch's start, so a resume from the last checkpoint makes the same decision from the same
+        restored estimate; an epoch resumed inside decided before it was saved."""
         if self.ramp is None:
             return
         resumed_inside = epoch == self.start.epoch and self.start.updates_done > 0
