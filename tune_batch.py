@@ -29,7 +29,6 @@ fits: when the run evaluates long enough for a few forward-only trials to pay (`
 largest eval batch within the same budget and the YAML sets `validation_batch_size` (a stock key).
 """
 import argparse
-import copy
 import dataclasses
 import functools
 import importlib.util
@@ -518,8 +517,8 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
 
 
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
-    train_args = copy.deepcopy(args)  # as parsed: what the config describes (init_device adds runtime fields)
-    device = init_device(args)
+    train_args = args  # as parsed: what the config describes (init_device's copy holds the runtime fields)
+    args, device = init_device(args)
     configure_cuda_backends(device)  # trials time the regime train.py runs in
     world_size = args.world_size if args.distributed else args.nproc
     primary = args.rank == 0

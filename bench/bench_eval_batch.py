@@ -64,7 +64,7 @@ def main() -> int:
         args, _ = parse_args(['--data-dir', str(data), '--model', opts.model, '--img-size', str(opts.img_size),
                               '--num-classes', str(len(SHAPES)), '-b', str(opts.batch_size), '--device', opts.device,
                               '--workers', str(opts.workers)])
-        device = init_device(args)
+        args, device = init_device(args)
         args.prefetcher = not args.no_prefetcher
         stack = build_training_stack(args, device, ema=False, compile_model=False)
         tuned_args = copy.deepcopy(args)

@@ -44,7 +44,7 @@ def worker_trial(flags: List[str], budget: str, size: int, batch: int) -> None:
     from timm_ext.tune.img_sizes import size_trial_args
     torch.set_num_threads(1)
     args, _ = parse_args(flags)
-    device = init_device(args)
+    args, device = init_device(args)
     setup = build_train_trial(size_trial_args(args, (3, size, size)), device)
     with memory_cap(device, parse_budget(budget).resolve(device)) as cap:
         trial = measured_trial(setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=1,

@@ -68,7 +68,7 @@ def setup_trial(flags):
     from timm_ext.train.args import parse_args
     torch.set_num_threads(1)
     args, _ = parse_args([*flags, '--num-classes', '10'])
-    return build_train_trial(args, init_device(args))
+    return build_train_trial(*init_device(args))
 
 
 def capped_trial(setup, cap, timed_steps=1):

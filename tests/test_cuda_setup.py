@@ -87,8 +87,7 @@ def test_tune_batch_sets_the_flags_before_probing(monkeypatch, image_folder):
 
 def test_critical_batch_warm_up_sets_the_flags(monkeypatch, image_folder):
     calls = spy_on_flags(monkeypatch, critical_batch)
-    args = cpu_train_args(image_folder)
-    device = init_device(args)
+    args, device = init_device(cpu_train_args(image_folder))
     with pytest.raises(Stop):
         critical_batch.measure_noise_scale(args, device, micro_batch=2)
     assert calls == [torch.device('cpu')]

@@ -7,7 +7,7 @@ beyond it when torchrun starts more processes than the node has GPUs), and the r
 must be None for a CPU module (stock passes the CPU device and DDP refuses it, so stock dies on CPU).
 """
 import argparse
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,17 +83,20 @@ def check_device(device: str, local_rank: Optional[int] = None) -> None:
     check_cuda_index(device, local_rank)
 
 
-def init_device(args: argparse.Namespace) -> torch.device:
-    """Set up the device and, under torchrun or SLURM, the process group; fills args.rank/world_size/...
+def init_device(args: argparse.Namespace) -> Tuple[argparse.Namespace, torch.device]:
+    """Set up the device and, under torchrun or SLURM, the process group.
 
     Returns:
-        The device this process trains on.
+        A copy of `args` with the runtime fields timm's ``init_distributed_device`` fills in (``device``,
+        ``distributed``, ``world_size``, ``rank``, ``local_rank``), and the device this process trains on. `args`
+        itself is left as parsed, so a caller can still write the config it describes.
 
     Raises:
         DeviceError: The asked device type is not available, or its CUDA index does not exist.
     """
     check_device(args.device, world_info_from_env()[0] if is_distributed_env() else None)
-    return init_distributed_device(args)
+    args = argparse.Namespace(**vars(args))
+    return args, init_distributed_device(args)
 
 
 def ddp_device_ids(device: torch.device) -> Optional[List[torch.device]]:

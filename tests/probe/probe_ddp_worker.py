@@ -20,7 +20,7 @@ def main(report_path: str, budget_rank0: str, budget_rank1: str) -> None:
     torch.set_num_threads(1)
     args, _ = parse_args(['--model', 'test_vit', '--model-kwargs', 'img_size=64', '--img-size', '64',
                           '--device', 'cpu', '--num-classes', '3'])
-    device = init_device(args)  # torchrun variables: gloo process group on CPU
+    args, device = init_device(args)  # torchrun variables: gloo process group on CPU
     before = resource.getrlimit(resource.RLIMIT_DATA)
     budget = parse_budget(budget_rank0 if args.rank == 0 else budget_rank1)
     outcome = probe_train_batch(build_train_trial(args, device), budget, headroom=0.0, start=4, max_batch=256)

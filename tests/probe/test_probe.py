@@ -378,7 +378,7 @@ from timm_ext.probe.trial import build_train_trial, probe_train_batch
 from timm_ext.train.args import parse_args
 args, _ = parse_args(['--model', 'test_vit', '--model-kwargs', 'img_size=64', '--img-size', '64', '--device', 'cpu',
                       '--num-classes', '3', '--opt', 'adamw', '--model-ema'])
-device = init_device(args)
+args, device = init_device(args)
 before = resource.getrlimit(resource.RLIMIT_DATA)
 max_batch = int(sys.argv[2]) if len(sys.argv) > 2 else None
 out = probe_train_batch(build_train_trial(args, device), parse_budget(sys.argv[1]), headroom=0.0, start=2,

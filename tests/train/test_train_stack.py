@@ -13,7 +13,7 @@ from timm_ext.train.stack import ResolvedArgs, build_training_stack
 def args_of(image_folder, *argv):
     args, _ = parse_args(['--data-dir', str(image_folder), '--model', 'test_resnet', '--num-classes', '3',
                           '--img-size', '32', '--device', 'cpu', '-j', '0', *argv])
-    init_device(args)
+    args, _ = init_device(args)
     args.prefetcher = not args.no_prefetcher  # set by train.py before it builds
     return args
 
@@ -33,7 +33,7 @@ def test_what_the_build_settles_comes_back_and_the_arguments_stay_as_given(image
     # no --num-classes and the positional DIR: stock writes the model's class count and the folder into its args
     args, _ = parse_args([str(image_folder), '--model', 'test_resnet', '--img-size', '32', '--device', 'cpu',
                           '-j', '0', '-b', '8', '--mixup', '0.5', '--opt-kwargs', 'eps=1e-6'])
-    init_device(args)
+    args, _ = init_device(args)
     args.prefetcher = not args.no_prefetcher
     before = copy.deepcopy(vars(args))
     stack = build_training_stack(args, torch.device('cpu'))

@@ -24,7 +24,7 @@ def args_of(*argv):
 def test_measurement_on_a_real_run_gives_a_positive_estimate_with_a_spread(tmp_path):
     data = make_image_folder(tmp_path / 'data', per_class=32)
     args = args_of('--data-dir', str(data), '--seed', '3')
-    device = init_device(args)
+    args, device = init_device(args)
     torch.manual_seed(0)
     before = copy.deepcopy(vars(args))
     got = measure_noise_scale(args, device, micro_batch=4)  # 64 micro-batches of 4: cycles over 96 images

@@ -92,7 +92,8 @@ class TrainingRun:
             importlib.import_module(module)
         args.prefetcher = not args.no_prefetcher
         self.resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None  # fail fast on a bad file
-        self.device = init_device(args)
+        self.args, self.device = init_device(args)
+        args = self.args
         configure_cuda_backends(self.device)
         self.primary = utils.is_primary(args)
         if args.distributed:
