@@ -3,9 +3,9 @@
 For a batch of B samples the expected squared gradient norm is `E|G_B|² = |G|² + tr(Σ) / B`. Two batch sizes give
 two equations, solved for the true squared gradient norm |G|² and the per-sample gradient variance tr(Σ). Training
 already has two sizes for free (micro-batch vs accumulation window, or one rank vs all ranks):
-`timm_ext.train.noise_monitor` pairs them during training. `NoiseScaleEstimator` keeps bias-corrected EMAs of both terms;
-their ratio estimates the critical batch size, beyond which a bigger batch buys little progress per sample. Values
-stay tensors (no host sync) until read.
+`timm_ext.train.noise_monitor` pairs them during training. `NoiseScaleEstimator` keeps bias-corrected EMAs of both
+terms; their ratio estimates the critical batch size, beyond which a bigger batch buys little progress per sample.
+Values stay tensors (no host sync) until read.
 """
 import math
 import random

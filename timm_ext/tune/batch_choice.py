@@ -209,8 +209,9 @@ def batch_warnings(global_batch: int, updates: int, noise: Optional[NoiseEstimat
     warnings = []
     if updates < min_updates:
         warnings.append(f'global batch {global_batch} leaves the run only {updates} optimizer updates '
-                        f'(< {min_updates}): fixed-epoch runs this short lose accuracy to smaller batches (digits, 8 epochs: 88 updates '
-                        f'at -b 128 gave 85.6% top-1, 352 at -b 32 90.0%); a smaller -b/--batch-size (or '
+                        f'(< {min_updates}): fixed-epoch runs this short lose accuracy to smaller batches (digits, '
+                        f'8 epochs: 88 updates at -b 128 gave 85.6% top-1, 352 at -b 32 90.0%); a smaller '
+                        f'-b/--batch-size (or '
                         f'--target-global-batch) gives more updates')
     if noise is not None and noise.found and global_batch > NOISE_FACTOR * noise.high:
         warnings.append(f'global batch {global_batch} is over {NOISE_FACTOR}x the measured B_noise '

@@ -1,0 +1,410 @@
+"""tune_batch.py's decisions: probe (or reuse) the micro-batch, choose the global batch, plan the run and eval batch.
+
+`plan_tuned_run` is the whole decision, with no training: every object the probe builds is local to it and released
+when it returns. Under `--select auto` a global batch the recipe sets is kept and only its split is probed; with none
+set, stock's -b 128 is the recipe, and a bigger one is judged only when the run is long enough for that to pay
+(`choose_by_time`: `timm_ext.tune.critical_batch` measures B_noise, `timm_ext.tune.batch_choice` decides). A
+`--train-img-sizes` schedule gets a batch per size (`tune_schedule`, `timm_ext.tune.img_sizes`), and the eval step a
+batch of its own when its few trials pay (`plan_eval_batch`). `report_lines` is the report and the YAML's header.
+"""
+import argparse
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+from timm.models import safe_model_name
+
+from ..atomic_files import atomic_text
+from ..memory import MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
+from ..probe.cache import ProbeCache, probe_key
+from ..probe.search import BatchGrid, NothingFitsError, default_grid, format_trial, select_batch_size, trials_to_json
+from ..probe.trial import ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch
+from ..train.setup import SetupError, batch_multiple, build_datasets
+from .batch_choice import (
+    MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
+    scaled_schedule, speeds_by_micro_batch, tuning_pays, updates_per_epoch,
+)
+from .critical_batch import (
+    ESTIMATE_ACCUM, ESTIMATE_MICRO_BATCH, ESTIMATE_WINDOWS, estimate_samples, measure_noise_scale,
+)
+from .img_sizes import (
+    EQUALISE, KEPT, RECIPE, SizeResult, check_kept_fits, plan_schedule, probe_schedule, schedule_inputs,
+    schedule_mode, shape_cache_note, size_trial_args,
+)
+from .plan import RunPlan, plan_global_batch, plan_run
+
+__all__ = [
+    'ProbeRequest', 'TunedRun', 'default_config_path', 'probe_or_reuse', 'recipe_global_batch', 'choose_by_time',
+    'time_bigger_batches', 'plan_tuned_run', 'tune_schedule', 'plan_eval_batch', 'worth_a_plot', 'report_lines',
+]
+
+TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
+RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close sizes (see select_batch_size)
+SEARCH_TRIALS = 6  # trials judging bigger batches may take (doublings up to B_noise), for whether judging pays
+EVAL_MAX_FACTOR = 8  # the eval probe tries up to this many training micro-batches (x2 steps: about 3 trials)
+EVAL_PROBE_TRIALS = 3  # what the eval probe is budgeted at, for judging whether it pays
+FORWARD_SHARE = 1 / 3  # an eval forward takes about this share of a training step's time (forward + backward)
+
+
+def default_config_path(args: argparse.Namespace) -> str:
+    size = args.img_size or (args.input_size[-1] if args.input_size else 'default')
+    return os.path.join('output', 'tune', f'{safe_model_name(args.model)}-{size}.yaml')
+
+
+@dataclass
+class ProbeRequest:
+    """What every probe of one tune_batch.py run shares: the run's trial, the device and budget, where to report."""
+    args: argparse.Namespace
+    setup: TrainTrialSetup
+    device: torch.device
+    budget: MemoryBudget
+    budget_bytes: int
+    grid: BatchGrid
+    world_size: int
+    trials_path: str
+    phase: str = 'train'  # or 'eval': the evaluation forward (`TrainTrialSetup.eval_trials`)
+    seconds_per_trial: Optional[float] = None  # wall time of one trial in the last probe run here (not cached)
+
+    def cache_key(self, select: str, max_batch: int, start: int) -> Dict[str, Any]:
+        """The probe cache's key for this request probed with these settings."""
+        settings = dict(budget=self.budget_bytes, headroom=self.args.mem_headroom, grid=repr(self.grid), start=start,
+                        max_batch=max_batch, timed_steps=TIMED_STEPS)
+        if select == 'throughput':  # the table then holds re-timings of the sizes the tolerance made close
+            settings.update(retime_rounds=RETIME_ROUNDS, throughput_tol=self.args.throughput_tol)
+        if self.phase != 'train':
+            settings.update(phase=self.phase)
+        return probe_key(self.args, self.setup.input_size, device_name(self.device), physical_memory(self.device),
+                         self.world_size, settings)
+
+    def is_cached(self, select: str, max_batch: int, start: int) -> bool:
+        """Whether this process's cache holds the outcome (rank 0's answer is the one that counts under DDP)."""
+        return not self.args.no_cache and ProbeCache().get(self.cache_key(select, max_batch, start)) is not None
+
+    def run(self, select: str, max_batch: int, start: Optional[int] = None) -> ProbeOutcome:
+        started = time.perf_counter()
+        outcome = probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
+        if not outcome.cached:
+            self.seconds_per_trial = (time.perf_counter() - started) / max(1, len(outcome.trials))
+        return outcome
+
+
+def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, start: int) -> ProbeOutcome:
+    """The probe's outcome for this request: from the cache when an identical one was probed, else probed now.
+
+    Trials are printed live (rank 0) and the table is kept up to date at `request.trials_path` while probing.
+    """
+    args, setup, device, budget_bytes = request.args, request.setup, request.device, request.budget_bytes
+    primary = args.rank == 0
+    key = request.cache_key(probe_select, max_batch, start)
+    cache = ProbeCache()
+    cached = None if args.no_cache else cache.get(key)
+    if args.distributed:  # rank 0's cache decides for all, so every rank takes the same path
+        box = [cached if primary else None]
+        dist.broadcast_object_list(box, src=0)
+        cached = box[0]
+
+    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
+    if cached is not None:
+        if primary:
+            print(f'Probe: cached result for this request ({cache.path(key)}); no trials run.')
+        try:
+            selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
+        except NothingFitsError as e:
+            raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
+        return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), cached=True)
+    if primary:
+        sizes = f'size {start}' if start >= max_batch else f'sizes {start}..{max_batch}'
+        print(f'Probe: {setup.describe}; budget {format_bytes(budget_bytes)} ({request.budget}) on '
+              f'{device_name(device)}, headroom {args.mem_headroom:.0%}, {sizes}.')
+        os.makedirs(os.path.dirname(os.path.abspath(request.trials_path)), exist_ok=True)
+    table = []
+    prefix = '  ' if request.phase == 'train' else f'  {request.phase} '
+
+    def on_trial(trial):
+        table.append(trial)
+        if primary:
+            print(prefix + format_trial(trial, budget_bytes), flush=True)
+            atomic_text(trials_to_json(table, request=key, complete=False), request.trials_path)
+
+    try:
+        outcome = probe_train_batch(setup, request.budget, args.mem_headroom, probe_select, args.throughput_tol,
+                                    start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS)
+    except NothingFitsError as e:
+        raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
+    if primary:
+        cache_file = cache.put(key, outcome.trials) if not args.no_cache else None
+        atomic_text(trials_to_json(outcome.trials, request=key, complete=True), request.trials_path)
+        if cache_file:
+            print(f'Probe: {len(outcome.trials)} trials; cached in {cache_file}; table in {request.trials_path}.')
+    return outcome
+
+
+@dataclass
+class TunedRun:
+    """What tuning decided: the probe behind the micro-batch, the plan, the schedule changes and the report."""
+    outcome: ProbeOutcome
+    plan: RunPlan
+    schedule: Dict[str, Any] = field(default_factory=dict)
+    lines: List[str] = field(default_factory=list)
+    noise: Optional[NoiseEstimate] = None
+    choice: Optional[GlobalBatchChoice] = None
+    eval_batch: Optional[int] = None
+    eval_outcome: Optional[ProbeOutcome] = None
+    eval_lines: List[str] = field(default_factory=list)
+    sizes: List[SizeResult] = field(default_factory=list)  # a --train-img-sizes schedule's probes, one per size
+    size_batches: Optional[List[int]] = None  # the train_batch_sizes the run trains at
+
+
+def recipe_global_batch(args: argparse.Namespace, given: Set[str], world_size: int) -> Tuple[int, str]:
+    """The recipe's global batch, and what set it ('' when nothing did: stock's default -b 128)."""
+    if args.target_global_batch:
+        return args.target_global_batch, '--target-global-batch'
+    flags = [flag for dest, flag in (('batch_size', '-b/--batch-size'), ('grad_accum_steps', '--grad-accum-steps'))
+             if dest in given]
+    return args.batch_size * world_size * args.grad_accum_steps, ' and '.join(flags)
+
+
+def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train_samples: int,
+                   max_batch: int) -> TunedRun:
+    """--select auto / critical: the recipe's global batch at its fastest split, and a bigger one only when the run is
+    long enough to pay for measuring it and it is predicted to reach the recipe's result clearly sooner."""
+    args, world_size = request.args, request.world_size
+    needed = math.ceil(recipe_global / world_size)
+    limit = min(max_batch, needed)
+    started = time.perf_counter()
+    outcome = request.run('max', limit, start=limit)  # one trial when the recipe fits, a probe down when not
+    trial_s = time.perf_counter() - started
+    plan = plan_run(args, outcome.selection.batch_size, world_size, recipe_global)
+    who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
+    one_batch = plan.accum_steps == 1
+    if one_batch:
+        how = f'fits as one batch of {plan.micro_batch} per rank: one trial, nothing to search for it.'
+    else:
+        why = (f'the training split holds only {max_batch} samples per rank' if max_batch < needed else
+               f'a batch of {needed} per rank does not fit')
+        how = f'is built from micro-batches of {plan.micro_batch} x {plan.accum_steps} accumulation: {why}.'
+    lines = [f'The recipe\'s global batch {recipe_global} ({who}) {how}']
+    if args.select == 'auto' and set_by:
+        lines.append('Kept it exactly: --select auto chooses only the micro-batch and accumulation of a global batch '
+                     'the recipe sets (--select critical would judge a bigger one).')
+        return TunedRun(outcome, plan, lines=lines)
+    speed = outcome.selection.trial.samples_per_s or 0.0
+    run_s = args.epochs * train_samples / speed if speed else math.inf
+    estimate_micro = min(plan.micro_batch, ESTIMATE_MICRO_BATCH)
+    per_trial_s = trial_s / max(1, len(outcome.trials))
+    # the estimate's small micro-batches run slower than the recipe's: count them at half its speed
+    cost_s = SEARCH_TRIALS * per_trial_s + 2 * estimate_samples(estimate_micro, world_size) / max(speed, 1e-9)
+    if not one_batch:
+        lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept the recipe\'s.')
+        return TunedRun(outcome, plan, lines=lines)
+    if args.select == 'auto' and not tuning_pays(run_s, cost_s):
+        lines.append(f'Kept it: the run is predicted at ~{run_s:.0f} s of training compute ({speed:.0f} samples/s '
+                     f'measured), and judging a bigger batch would cost ~{cost_s:.0f} s, more than '
+                     f'{MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
+        return TunedRun(outcome, plan, lines=lines)
+
+    if args.rank == 0:
+        print(f'Noise scale: {ESTIMATE_WINDOWS} windows of {ESTIMATE_ACCUM} x {estimate_micro} on the real data.',
+              flush=True)
+    noise = measure_noise_scale(args, request.device, estimate_micro)
+    searched, speeds = time_bigger_batches(request, outcome, plan.micro_batch, speed, max_batch, noise)
+    choice = choose_global_batch((plan.micro_batch, plan.accum_steps), speeds, world_size, train_samples,
+                                 args.epochs, noise)
+    chosen = choice.chosen
+    if choice.changed:
+        plan = plan_global_batch(args, chosen.micro_batch, chosen.accum_steps, world_size, recipe_global)
+    spent = time.perf_counter() - started
+    lines += [f'Noise scale: {noise.describe()}.', 'Global batches considered (predicted time to the recipe\'s '
+              'result):', format_candidates(choice), f'Choice: {choice.reason}.',
+              f'Tuning cost {spent:.1f} s, {spent / max(chosen.predicted_s, 1e-9):.1%} of the predicted run.']
+    schedule = scaled_schedule(vars(args), args.epochs, chosen.epochs)
+    return TunedRun(searched, plan, schedule, lines, noise, choice)
+
+
+def time_bigger_batches(request: ProbeRequest, recipe: ProbeOutcome, micro_batch: int, speed: float,
+                        max_batch: int, noise: NoiseEstimate) -> Tuple[ProbeOutcome, Dict[int, float]]:
+    """Samples/s of the micro-batches a bigger global batch could use: doublings of the recipe's, up to the top of
+    the B_noise range (beyond it `batch_choice` would refuse them anyway) and what fits, one trial each.
+
+    Returns:
+        The recipe's probe outcome with every trial added (for the report), and the measured samples/s per
+        micro-batch (the recipe's included).
+    """
+    speeds = {micro_batch: speed}
+    trials = list(recipe.trials)
+    multiple = batch_multiple(request.args)
+    size = micro_batch * 2
+    limit = min(max_batch, int(noise.high / request.world_size) if noise.found and math.isfinite(noise.high) else 0)
+    while size <= limit:
+        outcome = request.run('max', size, start=size)  # one trial when it fits, a probe down when not
+        trials += outcome.trials
+        speeds.update({m: s for m, s in speeds_by_micro_batch(outcome.trials).items() if m % multiple == 0})
+        if outcome.selection.batch_size < size:
+            break  # the memory limit: nothing bigger fits
+        size *= 2
+    selection = dataclasses.replace(recipe.selection, trials=trials)
+    return dataclasses.replace(recipe, selection=selection), speeds
+
+
+def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str], device: torch.device,
+                   world_size: int, config_path: str) -> TunedRun:
+    """Probe and decide: the micro-batch, accumulation, global batch, LR and schedule of the run (no training).
+
+    Everything the probe built (model, optimizer, trial closures) is local to this call, so it is released when
+    the call returns, before training starts on the same device.
+    """
+    budget = parse_budget(args.mem_budget or '1.0')
+    grid = default_grid(device.type, args.batch_multiple)
+    setup = build_train_trial(args, device)
+    dataset_train, dataset_eval = build_datasets(args, 'RGB' if setup.input_size[0] == 3 else 'L')
+    train_samples = len(dataset_train)
+    max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
+    if max_batch < 1:
+        raise SetupError(f'the training split has fewer samples ({train_samples}) than ranks ({world_size})')
+    request = ProbeRequest(args, setup, device, budget, budget.resolve(device), grid, world_size,
+                           os.path.splitext(config_path)[0] + '.trials.json')
+    recipe_global, set_by = recipe_global_batch(args, given, world_size)
+    mode = schedule_mode(args, given)
+    if mode in (EQUALISE, KEPT):
+        tuned = tune_schedule(request, mode, max_batch, given)
+    elif args.select == 'max':
+        outcome = request.run('max', max_batch)
+        tuned = TunedRun(outcome, plan_run(args, outcome.selection.batch_size, world_size, args.target_global_batch))
+    elif args.select == 'throughput':
+        outcome = request.run('throughput', min(max_batch, math.ceil(recipe_global / world_size)))
+        tuned = TunedRun(outcome, plan_run(args, outcome.selection.batch_size, world_size, recipe_global), lines=[
+            f'--select throughput chose the micro-batch for the recipe\'s global batch {recipe_global}; it never '
+            f'makes the global batch bigger.'])
+    else:
+        tuned = choose_by_time(request, recipe_global, set_by, train_samples, max_batch)
+    if mode == RECIPE:
+        tuned.lines.append(f'--train-img-sizes: the recipe\'s batch ({set_by}) trains at every size, as in stock '
+                           f'timm; probed at the largest size, {tuned.outcome.describe}.')
+        tuned.lines += shape_cache_note(device)
+    epochs = tuned.schedule.get('epochs', args.epochs)
+    updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
+    tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]
+    if 'validation_batch_size' in given:
+        tuned.eval_lines = [f'Eval batch: --validation-batch-size {args.validation_batch_size} as given; not probed.']
+    elif dataset_eval is not None:
+        eval_request = dataclasses.replace(request, setup=setup.eval_trials(), phase='eval',
+                                           trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
+        tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
+            eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
+    return tuned
+
+
+def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[str]) -> TunedRun:
+    """A --train-img-sizes schedule (`timm_ext.tune.img_sizes`): the batch at each size probed (or the given one
+    checked), and the LR of the schedule's average batch."""
+    args, largest = request.args, tuple(request.setup.input_size)
+    wanted = list(args.train_batch_sizes) if mode == KEPT else None
+    base = os.path.splitext(request.trials_path)[0]
+
+    def probe_at(input_size: Tuple[int, int, int], start: int, limit: int) -> ProbeOutcome:
+        # the run's own setup where it already trains at this size; else one for this size, released after
+        setup = (request.setup if tuple(input_size) == largest else
+                 build_train_trial(size_trial_args(args, input_size), request.device))
+        label = 'x'.join(map(str, input_size[1:]))
+        return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json').run('max', limit, start)
+
+    results = probe_schedule(schedule_inputs(args, largest[0]), probe_at, args.probe_start, request.grid, max_batch,
+                             batch_multiple(args), wanted)
+    if wanted is not None:
+        check_kept_fits(results, wanted)
+    batches = wanted or [r.batch for r in results]
+    top = max(results, key=lambda r: r.input_size[1] * r.input_size[2])
+    batch_size = args.batch_size if 'batch_size' in given else top.batch
+    how = 'as given, each checked to fit' if wanted else 'each the largest that fits at its size'
+    plan, _ = plan_schedule(args, batches, request.world_size, batch_size, how)
+    lines = [f'Schedule --train-img-sizes {" ".join(r.label for r in results)}: train_batch_sizes {batches} ({how}); '
+             f'-b {batch_size} is then only the eval batch train.py falls back to.', *shape_cache_note(request.device)]
+    return TunedRun(top.outcome, plan, lines=lines, sizes=results, size_batches=batches)
+
+
+def eval_probe_pays(request: ProbeRequest, eval_s: float, cost_s: float) -> bool:
+    """`tuning_pays` for the eval probe, decided on rank 0 (wall times differ between ranks; all must agree)."""
+    pays = [tuning_pays(eval_s, cost_s)]
+    if request.args.distributed:
+        dist.broadcast_object_list(pays, src=0)
+    return pays[0]
+
+
+def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, epochs: int,
+                    seconds_per_trial: Optional[float]) -> Tuple[Optional[int], Optional[ProbeOutcome], List[str]]:
+    """The eval batch for `validation_batch_size`: the largest forward-only batch that fits the budget, probed only
+    when the run's evaluations last long enough for the trials to cost at most MAX_TUNE_SHARE of them (a cached
+    outcome costs nothing). The trial cost is the wall time of the training trials just run, or, when those came from
+    the cache, the measured step time over the trial's steps at the largest eval batch.
+
+    Returns:
+        (the eval batch, or None to leave train.py's default, the micro-batch; the probe; report lines)
+    """
+    args, micro = request.args, tuned.plan.micro_batch
+    per_rank = math.ceil(eval_samples / request.world_size)
+    limit = min(per_rank, EVAL_MAX_FACTOR * micro)
+    if limit <= micro:
+        return None, None, [f'Eval batch: the validation split ({per_rank} per rank) is one batch of the micro-batch '
+                            f'{micro} already; not probed.']
+    trial = tuned.outcome.selection.trial
+    train_speed = trial.samples_per_s or math.inf
+    passes = math.ceil(epochs / args.val_interval)
+    eval_s = passes * per_rank / (train_speed / FORWARD_SHARE)
+    start = min(2 * micro, limit)
+    per_trial = seconds_per_trial or (TIMED_STEPS + 1) * (trial.ms_per_step or 0.0) / 1000 * EVAL_MAX_FACTOR
+    cost_s = 0.0 if request.is_cached('max', limit, start) else EVAL_PROBE_TRIALS * per_trial  # a cached one is free
+    if not eval_probe_pays(request, eval_s, cost_s):
+        return None, None, [f'Eval batch: not probed: {passes} evaluations are predicted at ~{eval_s:.1f} s and '
+                            f'{EVAL_PROBE_TRIALS} forward-only trials would cost ~{cost_s:.1f} s, more than '
+                            f'{MAX_TUNE_SHARE:.0%} of that; train.py evaluates at the micro-batch {micro}.']
+    outcome = request.run('max', limit, start=start)
+    chosen = outcome.selection.batch_size
+    if chosen <= micro:
+        return None, outcome, [f'Eval batch: nothing above the micro-batch {micro} fits the budget for evaluation; '
+                               f'train.py evaluates at {micro}.']
+    return chosen, outcome, [
+        f'Eval batch {chosen} = {chosen / micro:.3g} x the micro-batch (forward only, no gradients, optimizer state '
+        f'resident; {len(outcome.trials)} trials, peak {format_bytes(outcome.selection.trial.peak_bytes)}): '
+        f'validation_batch_size in the YAML; evaluation results do not depend on it.']
+
+
+def worth_a_plot(tuned: TunedRun) -> bool:
+    """A picture only where there is a curve to see: several trials that fit, or several global batches judged (one
+    trial of the recipe's batch is one point, and drawing it would cost a short run more than it shows)."""
+    fits = {t.batch_size for t in tuned.outcome.trials if t.fits}
+    return len(fits) > 1 or (tuned.choice is not None and len(tuned.choice.candidates) > 1)
+
+
+def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -> List[str]:
+    """The report: probe choice, the global-batch decision, accumulation, LR and why (also the config's header)."""
+    outcome, plan = tuned.outcome, tuned.plan
+    sel = outcome.selection
+    lines = [
+        f'tune_batch.py: {outcome.describe}',
+        f'Budget {format_bytes(outcome.budget)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}, '
+        f'select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
+        f'{format_bytes(sel.trial.peak_bytes)}).',
+    ]
+    if sel.caveat:
+        lines.append(f'Note: {sel.caveat}.')
+    lines += tuned.lines
+    if plan.micro_batch != sel.batch_size and tuned.size_batches is None:
+        lines.append(f'Micro-batch {plan.micro_batch} used to build the global batch.')
+    if tuned.size_batches is not None:
+        lines.append(f'Accumulation {plan.accum_steps} (--grad-accum-steps as given): {plan.reason}.')
+    else:
+        lines.append(f'Accumulation {plan.accum_steps}, {plan.world_size} rank(s): global batch {plan.global_batch} = '
+                     f'{plan.micro_batch} x {plan.world_size} x {plan.accum_steps}. {plan.reason}')
+    lines.append(f'LR {plan.lr:g} ({plan.lr_rule or "given"}): {plan.lr_reason}')
+    lines += tuned.eval_lines
+    if tuned.schedule:
+        changes = ', '.join(f'{key} {value}' for key, value in sorted(tuned.schedule.items()))
+        lines.append(f'Schedule lengthened to match: {changes}')
+    if extras:
+        lines.append(f'Extension flags (our train.py only, on the command line): {" ".join(extras)}')
+    return lines
