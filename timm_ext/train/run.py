@@ -58,9 +58,8 @@ class TrainingRun:
     """The run train.py's arguments describe, phase by phase.
 
     Args:
-        args: Parsed and checked arguments (`timm_ext.train.args.parse_args`). The run keeps its own copy, updated
-            as stock keeps them for checkpoints (device and ranks, the LR the run uses, an elastic resume's layout);
-            the caller's Namespace is left as it was.
+        args: Parsed and checked arguments (`timm_ext.train.args.parse_args`), left as they are: the run keeps its own
+            copy, updated as stock keeps them for checkpoints (device, ranks, LR, an elastic resume's layout).
         args_text: The arguments as YAML, written to the run folder as args.yaml.
         given: The dests the command line or its -c YAML set (an elastic resume keeps the others).
     """
