@@ -14,6 +14,7 @@ from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.batch_ramp import (
     MAX_GROWTH, BatchRamp, RampChange, RampState, RecipeClock, describe_ramp_change, lr_factor, plan_ramp, ramp_cap,
+    split_global,
 )
 from timm_ext.train.elastic import BatchLayout
 from timm_ext.train.noise_monitor import NoiseScaleSummary
@@ -42,6 +43,21 @@ def test_cap_at_most_doubles_keeps_updates_and_max_global():
     assert ramp_cap(LAYOUT, 120, 10, min_updates=10 ** 6) == LAYOUT.accum_steps  # the recipe is already short
     assert ramp_cap(LAYOUT, 120, 10, min_updates=1, max_global=48) == 3  # 16 x 3 = 48
     assert ramp_cap(LAYOUT, 120, 10, min_updates=1, max_global=40) == 2
+
+
+def test_split_prefers_a_bigger_micro_batch_up_to_the_limit():
+    one_rank = BatchLayout(micro_batch=4, world_size=1, accum_steps=2)
+    assert split_global(16, one_rank, None) == (4, 4)  # no limit: only the accumulation grows
+    assert split_global(16, one_rank, 4) == (4, 4)  # the limit is the micro-batch already
+    assert split_global(16, one_rank, 8) == (8, 2)
+    assert split_global(16, one_rank, 64) == (8, 2)  # one rank keeps 2 micro-batches a window: B_simple needs them
+    assert split_global(32, one_rank, 12) == (8, 4)  # exact: 12 does not divide 32
+    assert split_global(24, one_rank, 12, multiple=2) == (12, 2)
+    assert split_global(20, one_rank, 9, multiple=2) == (4, 5)  # 5 is odd (mixup), 10 past the limit
+    # two ranks measure B_simple across them: a window of one micro-batch is enough
+    assert split_global(64, LAYOUT, 32) == (32, 1)
+    # below plan_accumulation's window (half the limit) an exact bigger micro-batch still beats more accumulation
+    assert split_global(50, BatchLayout(2, 1, 25), 21) == (10, 5)  # 25 and 50 do not fit; 21 down to 11 do not divide
 
 
 def test_lr_factor_follows_the_run_rule():
@@ -74,7 +90,7 @@ class FakeLoop:
 
     def __init__(self, b_simple: float):
         self.b_simple = b_simple
-        self.accum_steps = None
+        self.accum_steps = self.batch_size = None
         self.epochs_trained = 0
 
     def noise_scale_summary(self):
@@ -82,8 +98,8 @@ class FakeLoop:
         self.epochs_trained += 1
         return NoiseScaleSummary(1.0, b_simple, b_simple, 10 * self.epochs_trained)
 
-    def set_accum_steps(self, accum_steps):
-        self.accum_steps = accum_steps
+    def set_layout(self, batch_size, accum_steps):
+        self.batch_size, self.accum_steps = batch_size, accum_steps
 
 
 def _schedule(lr, on_updates, updates_per_epoch, epochs=4, warmup_epochs=1):
@@ -173,7 +189,7 @@ def test_loop_trains_the_next_epoch_with_the_new_accumulation():
                      lr_scheduler=updates)
     batches = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(8)]
     loop.train_one_epoch(0, batches)
-    loop.set_accum_steps(4)
+    loop.set_layout(2, 4)
     loop.train_one_epoch(1, batches)
     assert updates.calls == [1, 2, 3, 4, 3, 4] and loop.cfg.accum_steps == 4
 
