@@ -170,6 +170,36 @@ def test_resume_continues_the_ramp_and_a_fresh_optimizer_gets_its_lr():
     assert elastic.state.accum_steps == 8 and elastic.layout.global_batch == 16
 
 
+def test_ramp_grows_the_micro_batch_first_and_a_resume_rebuilds_the_loader():
+    loads = []
+
+    def reload(micro_batch):  # 96 samples per epoch, incomplete batches dropped
+        loads.append(micro_batch)
+        return 96 // micro_batch
+
+    def ramp_of(**kwargs):
+        return BatchRamp(*_schedule(0.1, False, 12), BatchLayout(4, 1, 2), 24, 4, factor=1.0, min_updates=1,
+                         verbose=False, max_micro=8, reload=reload, **kwargs)
+
+    ramp, loop = ramp_of(), FakeLoop(1000.0)
+    for epoch in range(3):
+        ramp.before_epoch(epoch, loop)
+    # 8 -> 16 as 8 x 2 (the limit), 16 -> 32 as 8 x 4: accumulation only once the micro-batch is at the limit
+    assert [(c.new_micro, c.new_accum, c.new_global) for c in ramp.state.history] == [(8, 2, 16), (8, 4, 32)]
+    assert loads == [8] and (loop.batch_size, loop.accum_steps) == (8, 4) and ramp.updates_per_epoch == 3
+    resumed = ramp_of()
+    resumed.restore(ramp.state_dict())
+    assert loads == [8, 8] and resumed.state == ramp.state and resumed.updates_per_epoch == 3
+    # a checkpoint from before the micro-batch could grow continues at the recipe's micro-batch
+    old = {'accum_steps': 4, 'recipe_accum': 2, 'history': [
+        {k: v for k, v in vars(RampChange(1, 70.0, 2, 4, 8, 16, 2.0)).items() if not k.endswith('_micro')}]}
+    resumed = ramp_of()
+    resumed.restore(old)
+    assert loads == [8, 8] and resumed.layout == BatchLayout(4, 1, 4) and resumed.updates_per_epoch == 6
+    with pytest.raises(ValueError, match='reload'):
+        BatchRamp(*_schedule(0.1, False, 12), BatchLayout(4, 1, 2), 24, 4, max_micro=8)
+
+
 def test_loop_trains_the_next_epoch_with_the_new_accumulation():
     from timm.task import ClassificationTask
     from timm_ext.train.loop import LoopConfig, TrainLoop
@@ -192,6 +222,37 @@ def test_loop_trains_the_next_epoch_with_the_new_accumulation():
     loop.set_layout(2, 4)
     loop.train_one_epoch(1, batches)
     assert updates.calls == [1, 2, 3, 4, 3, 4] and loop.cfg.accum_steps == 4
+
+
+@pytest.mark.parametrize('oom_splits', [None, 1, 2])
+def test_set_layout_keeps_each_window_a_true_mean(oom_splits):
+    # 8 samples as 4 batches of 2 (accumulation 4), and after set_layout(4, 2) as 2 batches of 4: the same update
+    from timm.task import ClassificationTask
+    from timm_ext.train.loop import LoopConfig, TrainLoop
+
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def one_update(batch, regrow):
+        model = torch.nn.Linear(4, 3)
+        torch.nn.init.constant_(model.weight, 0.1)
+        torch.nn.init.zeros_(model.bias)
+        task = ClassificationTask(model, torch.nn.CrossEntropyLoss(), device=torch.device('cpu'), verbose=False)
+        cfg = LoopConfig(device=torch.device('cpu'), accum_steps=4, batch_size=2, log_interval=10 ** 9,
+                         oom_recover=oom_splits is not None)
+        loop = TrainLoop(task, torch.optim.SGD(model.parameters(), lr=1.0), cfg)
+        if oom_splits is not None:
+            loop.splitter.splits = oom_splits  # as an OOM of a micro-batch of 2 leaves it: pieces of 1
+        if regrow:
+            loop.set_layout(batch, 8 // batch)
+        loop.train_one_epoch(0, list(zip(inputs.split(batch), targets.split(batch))))
+        return model.weight.detach().clone(), loop
+
+    small, _ = one_update(2, regrow=False)
+    big, loop = one_update(4, regrow=True)
+    assert torch.allclose(small, big, atol=1e-6) and (loop.cfg.batch_size, loop.cfg.accum_steps) == (4, 2)
+    if oom_splits is not None:  # pieces no bigger than the OOM left them, or none when there was no OOM
+        assert (loop.splitter.batch_size, loop.splitter.micro_batch) == (4, 4 if oom_splits == 1 else 1)
 
 
 # ---- train.py ------------------------------------------------------------------------------------------------------
@@ -248,9 +309,57 @@ def test_run_grows_the_batch_and_a_resume_continues_the_ramp(tmp_path):
     assert [r['global_batch'] for r in _rows(tmp_path / 'inside' / 'noise_scale.csv')] == ['16', '32']
 
 
+# the same run with --batch-ramp-max-micro 8 (and --oom-recover, whose splitter follows the loader): the first change
+# doubles the micro-batch instead (24 -> 12 loader batches per epoch), the second, past the limit, the accumulation;
+# the global batches, LRs and recovery checkpoints are the accumulation-only run's
+MICRO_RUN = (*RAMP_RUN, '--batch-ramp-max-micro', '8', '--oom-recover')
+
+
+def test_run_grows_the_micro_batch_and_a_resume_rebuilds_its_loader(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=32)
+    whole = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'whole', *MICRO_RUN)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    changes = [line for line in whole.stderr.splitlines() if 'Batch ramp before epoch' in line]
+    assert len(changes) == 2, whole.stderr[-3000:]
+    assert 'micro-batch 4 -> 8, accumulation 2 -> 2 (global batch 8 -> 16, 12 -> 6 updates' in changes[0]
+    assert 'micro-batch' not in changes[1] and 'accumulation 2 -> 4 (global batch 16 -> 32, 6 -> 3' in changes[1]
+    assert 'Train: 1 [   5/6 ' in whole.stderr and 'Train: 2 [   2/3 ' in whole.stderr
+    run = tmp_path / 'whole'
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
+    recipe = [0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for t in (12, 24, 36)]
+    rows = _rows(run / 'summary.csv')
+    assert [float(r['lr']) for r in rows] == pytest.approx([recipe[0], 2 * recipe[1], 4 * recipe[2]], abs=1e-9)
+    state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
+    assert (state['micro_batch'], state['accum_steps'], state['recipe_micro']) == (8, 4, 4)
+    assert [(c['new_micro'], c['new_accum']) for c in state['history']] == [(8, 2), (8, 4)]
+
+    def same_as_whole(name, checkpoint, decided):
+        resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', name, *MICRO_RUN,
+                             '--resume', str(run / checkpoint))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [line for line in resumed.stderr.splitlines() if 'Batch ramp before epoch' in line] == decided
+        resumed_rows = _rows(tmp_path / name / 'summary.csv')
+        assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows[1:]]
+        whole_epochs = slice(1 if name == 'inside' else 0, None)  # an epoch resumed inside reports its remainder
+        assert [float(r['train_loss']) for r in resumed_rows[whole_epochs]] == pytest.approx(
+            [float(r['train_loss']) for r in rows[1:][whole_epochs]], rel=1e-4)
+        assert [r['global_batch'] for r in _rows(tmp_path / name / 'noise_scale.csv')] == ['16', '32']
+        return resumed.stderr
+
+    same_as_whole('resumed', 'checkpoint-0.pth.tar', changes)  # the first change decided again, from the checkpoint
+    # inside epoch 1, 5 of its 6 updates at micro-batch 8 done: the loader is rebuilt at 8 before the epoch goes on
+    inside = same_as_whole('inside', 'recovery-1-4.pth.tar', changes[1:])
+    assert 'continuing the checkpoint\'s 8 x 1 rank x 2 accum' in inside
+    assert 'Resuming epoch 1 at update 5/6: skipping 10 batches' in inside
+
+
 @pytest.mark.parametrize('flags,words', [
     (['--batch-ramp', '--grad-accum-steps', '2'], '--batch-ramp follows the gradient noise scale'),
     (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max', '64'], '--batch-ramp-max only acts'),
+    (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max-micro', '8'],
+     '--batch-ramp-max-micro only acts'),
+    (['--batch-ramp', '--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max-micro', '0'],
+     '--batch-ramp-max-micro'),
     (['--batch-ramp', '--log-noise-scale'], 'two batch sizes'),
     (['--batch-ramp', '--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-factor', '0'],
      '--batch-ramp-factor'),
