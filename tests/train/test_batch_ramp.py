@@ -271,42 +271,53 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+# cosine over the recipe's 36 updates (12 an epoch): each epoch ends at its recipe point, LR doubled per change
+RAMPED_LRS = [growth * 0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for growth, t in ((1, 12), (2, 24), (4, 36))]
+
+
+def _train(data, out, name, flags, *extra):
+    """train.py into ``out/name``; returns its stderr and its ramp-change lines."""
+    result = run_script('train.py', '--data-dir', data, '--output', out, '--experiment', name, *flags, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr, [line for line in result.stderr.splitlines() if 'Batch ramp before epoch' in line]
+
+
+def _check_whole_run(run):
+    """The uninterrupted run's global batches and LRs; returns its summary rows."""
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
+    rows = _rows(run / 'summary.csv')
+    assert [float(r['lr']) for r in rows] == pytest.approx(RAMPED_LRS, abs=1e-9)
+    return rows
+
+
+def _check_resumed(run, rows, inside):
+    """A run resumed after epoch 0 (or `inside` epoch 1) trains epochs 1 and 2 as the whole run's `rows` did."""
+    resumed_rows, rows = _rows(run / 'summary.csv'), rows[1:]
+    assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
+    whole_epochs = slice(1 if inside else 0, None)  # an epoch resumed inside reports the loss of its remainder
+    assert [float(r['train_loss']) for r in resumed_rows[whole_epochs]] == pytest.approx(
+        [float(r['train_loss']) for r in rows[whole_epochs]], rel=1e-4)
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['16', '32']
+
+
 def test_run_grows_the_batch_and_a_resume_continues_the_ramp(tmp_path):
     data = make_image_folder(tmp_path / 'data', per_class=32)
-    whole = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'whole', *RAMP_RUN)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    changes = [line for line in whole.stderr.splitlines() if 'Batch ramp before epoch' in line]
-    assert len(changes) == 2, whole.stderr[-3000:]
+    _, changes = _train(data, tmp_path, 'whole', RAMP_RUN)
+    assert len(changes) == 2
     assert 'accumulation 2 -> 4' in changes[0] and 'accumulation 4 -> 8' in changes[1]
     run = tmp_path / 'whole'
-    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
-    # cosine over the recipe's 36 updates (12 an epoch): each epoch ends at its recipe point, LR doubled per change
-    recipe = [0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for t in (12, 24, 36)]
-    lrs = [float(r['lr']) for r in _rows(run / 'summary.csv')]
-    assert lrs == pytest.approx([recipe[0], 2 * recipe[1], 4 * recipe[2]], abs=1e-9)
+    rows = _check_whole_run(run)
     state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
     assert state['accum_steps'] == 8 and [c['new_accum'] for c in state['history']] == [4, 8]
 
     # resumed from the end of epoch 0: the same decision from the checkpoint's B_simple, the same LR and batches
-    resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'resumed', *RAMP_RUN,
-                         '--resume', str(run / 'checkpoint-0.pth.tar'))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = [line for line in resumed.stderr.splitlines() if 'Batch ramp before epoch' in line]
+    _, again = _train(data, tmp_path, 'resumed', RAMP_RUN, '--resume', str(run / 'checkpoint-0.pth.tar'))
     assert again == changes
-    rows, resumed_rows = _rows(run / 'summary.csv')[1:], _rows(tmp_path / 'resumed' / 'summary.csv')
-    assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
-    assert [float(r['train_loss']) for r in resumed_rows] == pytest.approx([float(r['train_loss']) for r in rows],
-                                                                            rel=1e-4)
-    assert [r['global_batch'] for r in _rows(tmp_path / 'resumed' / 'noise_scale.csv')] == ['16', '32']
-
+    _check_resumed(tmp_path / 'resumed', rows, inside=False)
     # resumed inside epoch 1 (5 of its 6 updates at accumulation 4 done): no second decision for epoch 1
-    inside = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'inside', *RAMP_RUN,
-                        '--resume', str(run / 'recovery-1-4.pth.tar'))
-    assert inside.returncode == 0, inside.stderr[-3000:]
-    assert [line for line in inside.stderr.splitlines() if 'Batch ramp before epoch' in line] == changes[1:]
-    inside_rows = _rows(tmp_path / 'inside' / 'summary.csv')
-    assert [(r['epoch'], float(r['lr'])) for r in inside_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
-    assert [r['global_batch'] for r in _rows(tmp_path / 'inside' / 'noise_scale.csv')] == ['16', '32']
+    _, again = _train(data, tmp_path, 'inside', RAMP_RUN, '--resume', str(run / 'recovery-1-4.pth.tar'))
+    assert again == changes[1:]
+    _check_resumed(tmp_path / 'inside', rows, inside=True)
 
 
 # the same run with --batch-ramp-max-micro 8 (and --oom-recover, whose splitter follows the loader): the first change
@@ -317,40 +328,26 @@ MICRO_RUN = (*RAMP_RUN, '--batch-ramp-max-micro', '8', '--oom-recover')
 
 def test_run_grows_the_micro_batch_and_a_resume_rebuilds_its_loader(tmp_path):
     data = make_image_folder(tmp_path / 'data', per_class=32)
-    whole = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'whole', *MICRO_RUN)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    changes = [line for line in whole.stderr.splitlines() if 'Batch ramp before epoch' in line]
-    assert len(changes) == 2, whole.stderr[-3000:]
+    log, changes = _train(data, tmp_path, 'whole', MICRO_RUN)
+    assert len(changes) == 2
     assert 'micro-batch 4 -> 8, accumulation 2 -> 2 (global batch 8 -> 16, 12 -> 6 updates' in changes[0]
     assert 'micro-batch' not in changes[1] and 'accumulation 2 -> 4 (global batch 16 -> 32, 6 -> 3' in changes[1]
-    assert 'Train: 1 [   5/6 ' in whole.stderr and 'Train: 2 [   2/3 ' in whole.stderr
+    assert 'Train: 1 [   5/6 ' in log and 'Train: 2 [   2/3 ' in log
     run = tmp_path / 'whole'
-    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
-    recipe = [0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for t in (12, 24, 36)]
-    rows = _rows(run / 'summary.csv')
-    assert [float(r['lr']) for r in rows] == pytest.approx([recipe[0], 2 * recipe[1], 4 * recipe[2]], abs=1e-9)
+    rows = _check_whole_run(run)
     state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
     assert (state['micro_batch'], state['accum_steps'], state['recipe_micro']) == (8, 4, 4)
     assert [(c['new_micro'], c['new_accum']) for c in state['history']] == [(8, 2), (8, 4)]
 
-    def same_as_whole(name, checkpoint, decided):
-        resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', name, *MICRO_RUN,
-                             '--resume', str(run / checkpoint))
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert [line for line in resumed.stderr.splitlines() if 'Batch ramp before epoch' in line] == decided
-        resumed_rows = _rows(tmp_path / name / 'summary.csv')
-        assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows[1:]]
-        whole_epochs = slice(1 if name == 'inside' else 0, None)  # an epoch resumed inside reports its remainder
-        assert [float(r['train_loss']) for r in resumed_rows[whole_epochs]] == pytest.approx(
-            [float(r['train_loss']) for r in rows[1:][whole_epochs]], rel=1e-4)
-        assert [r['global_batch'] for r in _rows(tmp_path / name / 'noise_scale.csv')] == ['16', '32']
-        return resumed.stderr
-
-    same_as_whole('resumed', 'checkpoint-0.pth.tar', changes)  # the first change decided again, from the checkpoint
+    _, again = _train(data, tmp_path, 'resumed', MICRO_RUN, '--resume', str(run / 'checkpoint-0.pth.tar'))
+    assert again == changes  # the first change decided again, from the checkpoint's B_simple
+    _check_resumed(tmp_path / 'resumed', rows, inside=False)
     # inside epoch 1, 5 of its 6 updates at micro-batch 8 done: the loader is rebuilt at 8 before the epoch goes on
-    inside = same_as_whole('inside', 'recovery-1-4.pth.tar', changes[1:])
-    assert 'continuing the checkpoint\'s 8 x 1 rank x 2 accum' in inside
-    assert 'Resuming epoch 1 at update 5/6: skipping 10 batches' in inside
+    log, again = _train(data, tmp_path, 'inside', MICRO_RUN, '--resume', str(run / 'recovery-1-4.pth.tar'))
+    assert again == changes[1:]
+    assert 'continuing the checkpoint\'s 8 x 1 rank x 2 accum' in log
+    assert 'Resuming epoch 1 at update 5/6: skipping 10 batches' in log
+    _check_resumed(tmp_path / 'inside', rows, inside=True)
 
 
 @pytest.mark.parametrize('flags,words', [
