@@ -200,6 +200,15 @@ def test_ramp_grows_the_micro_batch_first_and_a_resume_rebuilds_the_loader():
         BatchRamp(*_schedule(0.1, False, 12), BatchLayout(4, 1, 2), 24, 4, max_micro=8)
 
 
+def test_micro_batch_stays_within_a_rank_epoch():
+    # 2 ranks of 12 samples an epoch: global batch 32 as 16 x 2 ranks x 1 would leave the loader no batch
+    ramp = BatchRamp(*_schedule(0.1, False, 2), BatchLayout(4, 2, 2), 3, 4, factor=1.0, min_updates=1,
+                     verbose=False, max_micro=64, reload=lambda micro_batch: 12 // micro_batch)
+    loop = FakeLoop(1000.0)
+    ramp.before_epoch(0, loop)
+    assert ramp.before_epoch(1, loop) and ramp.layout == BatchLayout(8, 2, 2)
+
+
 def test_loop_trains_the_next_epoch_with_the_new_accumulation():
     from timm.task import ClassificationTask
     from timm_ext.train.loop import LoopConfig, TrainLoop

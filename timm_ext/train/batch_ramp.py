@@ -146,8 +146,8 @@ def noise_min_accum(world_size: int) -> int:
     return 2 if noise_scale_problem(1, world_size, 'samples') else 1
 
 
-def split_global(target_global: int, layout: BatchLayout, max_micro: Optional[int], multiple: int = 1) -> Tuple[
-        int, int]:
+def split_global(target_global: int, layout: BatchLayout, max_micro: Optional[int],
+                 multiple: int = 1) -> Tuple[int, int]:
     """(micro-batch, accumulation) for a global batch the ramp grew to: the biggest micro-batch first.
 
     A bigger micro-batch is faster per sample on a GPU; more accumulation only saves optimizer steps. The split is
@@ -321,8 +321,8 @@ class BatchRamp:
             loader: Rebuilds the run's training loader (which is at the recipe's micro-batch now).
             num_epochs: Epochs of the run.
             min_updates: The update guard when --batch-ramp-min-updates is unset.
-            saved: The resumed checkpoint's ramp state (`timm_ext.train.checkpoint.saved_ramp_state`), or None: a
-                ramp at another micro-batch rebuilds the loader at it now.
+            saved: The resumed checkpoint's ramp state (`timm_ext.train.checkpoint.saved_ramp_state`), or None. A
+                saved ramp at another micro-batch than -b rebuilds the loader at it now.
             verbose: Log (rank 0).
         """
         recipe = BatchLayout(args.batch_size, args.world_size, args.grad_accum_steps)
@@ -399,8 +399,9 @@ class BatchRamp:
                              f'bigger batch, but {layout.describe()} is the cap (at least {self.min_updates} '
                              f'updates over {self.num_epochs} epochs, largest global batch {self.max_global}).')
             return False
-        micro, accum = split_global(layout.micro_batch * layout.world_size * accum, layout, self.max_micro,
-                                    self.multiple)
+        # never a micro-batch past the samples a rank trains per epoch: the new loader would have no batch
+        max_micro = self.max_micro and min(self.max_micro, self.batches_per_epoch * self.loader_micro)
+        micro, accum = split_global(layout.micro_batch * layout.world_size * accum, layout, max_micro, self.multiple)
         new = replace(layout, micro_batch=micro, accum_steps=accum)
         change = RampChange(epoch, b_simple, layout.accum_steps, accum, layout.global_batch, new.global_batch,
                             lr_factor(layout.global_batch, new.global_batch, self.scale), layout.micro_batch, micro)
