@@ -373,6 +373,7 @@ TRAIN_DOMAINS: Mapping[str, Domain] = {
     'oom_grow_back': POSITIVE_INT,
     'batch_ramp_factor': POSITIVE,
     'batch_ramp_max': POSITIVE_INT,
+    'batch_ramp_max_micro': POSITIVE_INT,
     'batch_ramp_min_updates': POSITIVE_INT,
 }
 

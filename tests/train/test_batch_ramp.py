@@ -14,6 +14,7 @@ from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.batch_ramp import (
     MAX_GROWTH, BatchRamp, RampChange, RampState, RecipeClock, describe_ramp_change, lr_factor, plan_ramp, ramp_cap,
+    split_global,
 )
 from timm_ext.train.elastic import BatchLayout
 from timm_ext.train.noise_monitor import NoiseScaleSummary
@@ -42,6 +43,21 @@ def test_cap_at_most_doubles_keeps_updates_and_max_global():
     assert ramp_cap(LAYOUT, 120, 10, min_updates=10 ** 6) == LAYOUT.accum_steps  # the recipe is already short
     assert ramp_cap(LAYOUT, 120, 10, min_updates=1, max_global=48) == 3  # 16 x 3 = 48
     assert ramp_cap(LAYOUT, 120, 10, min_updates=1, max_global=40) == 2
+
+
+def test_split_prefers_a_bigger_micro_batch_up_to_the_limit():
+    one_rank = BatchLayout(micro_batch=4, world_size=1, accum_steps=2)
+    assert split_global(16, one_rank, None) == (4, 4)  # no limit: only the accumulation grows
+    assert split_global(16, one_rank, 4) == (4, 4)  # the limit is the micro-batch already
+    assert split_global(16, one_rank, 8) == (8, 2)
+    assert split_global(16, one_rank, 64) == (8, 2)  # one rank keeps 2 micro-batches a window: B_simple needs them
+    assert split_global(32, one_rank, 12) == (8, 4)  # exact: 12 does not divide 32
+    assert split_global(24, one_rank, 12, multiple=2) == (12, 2)
+    assert split_global(20, one_rank, 9, multiple=2) == (4, 5)  # 5 is odd (mixup), 10 past the limit
+    # two ranks measure B_simple across them: a window of one micro-batch is enough
+    assert split_global(64, LAYOUT, 32) == (32, 1)
+    # below plan_accumulation's window (half the limit) an exact bigger micro-batch still beats more accumulation
+    assert split_global(50, BatchLayout(2, 1, 25), 21) == (10, 5)  # 25 and 50 do not fit; 21 down to 11 do not divide
 
 
 def test_lr_factor_follows_the_run_rule():
@@ -74,7 +90,7 @@ class FakeLoop:
 
     def __init__(self, b_simple: float):
         self.b_simple = b_simple
-        self.accum_steps = None
+        self.accum_steps = self.batch_size = None
         self.epochs_trained = 0
 
     def noise_scale_summary(self):
@@ -82,8 +98,8 @@ class FakeLoop:
         self.epochs_trained += 1
         return NoiseScaleSummary(1.0, b_simple, b_simple, 10 * self.epochs_trained)
 
-    def set_accum_steps(self, accum_steps):
-        self.accum_steps = accum_steps
+    def set_layout(self, batch_size, accum_steps):
+        self.batch_size, self.accum_steps = batch_size, accum_steps
 
 
 def _schedule(lr, on_updates, updates_per_epoch, epochs=4, warmup_epochs=1):
@@ -154,6 +170,45 @@ def test_resume_continues_the_ramp_and_a_fresh_optimizer_gets_its_lr():
     assert elastic.state.accum_steps == 8 and elastic.layout.global_batch == 16
 
 
+def test_ramp_grows_the_micro_batch_first_and_a_resume_rebuilds_the_loader():
+    loads = []
+
+    def reload(micro_batch):  # 96 samples per epoch, incomplete batches dropped
+        loads.append(micro_batch)
+        return 96 // micro_batch
+
+    def ramp_of(**kwargs):
+        return BatchRamp(*_schedule(0.1, False, 12), BatchLayout(4, 1, 2), 24, 4, factor=1.0, min_updates=1,
+                         verbose=False, max_micro=8, reload=reload, **kwargs)
+
+    ramp, loop = ramp_of(), FakeLoop(1000.0)
+    for epoch in range(3):
+        ramp.before_epoch(epoch, loop)
+    # 8 -> 16 as 8 x 2 (the limit), 16 -> 32 as 8 x 4: accumulation only once the micro-batch is at the limit
+    assert [(c.new_micro, c.new_accum, c.new_global) for c in ramp.state.history] == [(8, 2, 16), (8, 4, 32)]
+    assert loads == [8] and (loop.batch_size, loop.accum_steps) == (8, 4) and ramp.updates_per_epoch == 3
+    resumed = ramp_of()
+    resumed.restore(ramp.state_dict())
+    assert loads == [8, 8] and resumed.state == ramp.state and resumed.updates_per_epoch == 3
+    # a checkpoint from before the micro-batch could grow continues at the recipe's micro-batch
+    old = {'accum_steps': 4, 'recipe_accum': 2, 'history': [
+        {k: v for k, v in vars(RampChange(1, 70.0, 2, 4, 8, 16, 2.0)).items() if not k.endswith('_micro')}]}
+    resumed = ramp_of()
+    resumed.restore(old)
+    assert loads == [8, 8] and resumed.layout == BatchLayout(4, 1, 4) and resumed.updates_per_epoch == 6
+    with pytest.raises(ValueError, match='reload'):
+        BatchRamp(*_schedule(0.1, False, 12), BatchLayout(4, 1, 2), 24, 4, max_micro=8)
+
+
+def test_micro_batch_stays_within_a_rank_epoch():
+    # 2 ranks of 12 samples an epoch: global batch 32 as 16 x 2 ranks x 1 would leave the loader no batch
+    ramp = BatchRamp(*_schedule(0.1, False, 2), BatchLayout(4, 2, 2), 3, 4, factor=1.0, min_updates=1,
+                     verbose=False, max_micro=64, reload=lambda micro_batch: 12 // micro_batch)
+    loop = FakeLoop(1000.0)
+    ramp.before_epoch(0, loop)
+    assert ramp.before_epoch(1, loop) and ramp.layout == BatchLayout(8, 2, 2)
+
+
 def test_loop_trains_the_next_epoch_with_the_new_accumulation():
     from timm.task import ClassificationTask
     from timm_ext.train.loop import LoopConfig, TrainLoop
@@ -173,9 +228,40 @@ def test_loop_trains_the_next_epoch_with_the_new_accumulation():
                      lr_scheduler=updates)
     batches = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(8)]
     loop.train_one_epoch(0, batches)
-    loop.set_accum_steps(4)
+    loop.set_layout(2, 4)
     loop.train_one_epoch(1, batches)
     assert updates.calls == [1, 2, 3, 4, 3, 4] and loop.cfg.accum_steps == 4
+
+
+@pytest.mark.parametrize('oom_splits', [None, 1, 2])
+def test_set_layout_keeps_each_window_a_true_mean(oom_splits):
+    # 8 samples as 4 batches of 2 (accumulation 4), and after set_layout(4, 2) as 2 batches of 4: the same update
+    from timm.task import ClassificationTask
+    from timm_ext.train.loop import LoopConfig, TrainLoop
+
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def one_update(batch, regrow):
+        model = torch.nn.Linear(4, 3)
+        torch.nn.init.constant_(model.weight, 0.1)
+        torch.nn.init.zeros_(model.bias)
+        task = ClassificationTask(model, torch.nn.CrossEntropyLoss(), device=torch.device('cpu'), verbose=False)
+        cfg = LoopConfig(device=torch.device('cpu'), accum_steps=4, batch_size=2, log_interval=10 ** 9,
+                         oom_recover=oom_splits is not None)
+        loop = TrainLoop(task, torch.optim.SGD(model.parameters(), lr=1.0), cfg)
+        if oom_splits is not None:
+            loop.splitter.splits = oom_splits  # as an OOM of a micro-batch of 2 leaves it: pieces of 1
+        if regrow:
+            loop.set_layout(batch, 8 // batch)
+        loop.train_one_epoch(0, list(zip(inputs.split(batch), targets.split(batch))))
+        return model.weight.detach().clone(), loop
+
+    small, _ = one_update(2, regrow=False)
+    big, loop = one_update(4, regrow=True)
+    assert torch.allclose(small, big, atol=1e-6) and (loop.cfg.batch_size, loop.cfg.accum_steps) == (4, 2)
+    if oom_splits is not None:  # pieces no bigger than the OOM left them, or none when there was no OOM
+        assert (loop.splitter.batch_size, loop.splitter.micro_batch) == (4, 4 if oom_splits == 1 else 1)
 
 
 # ---- train.py ------------------------------------------------------------------------------------------------------
@@ -194,47 +280,92 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+# cosine over the recipe's 36 updates (12 an epoch): each epoch ends at its recipe point, LR doubled per change
+RAMPED_LRS = [growth * 0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for growth, t in ((1, 12), (2, 24), (4, 36))]
+
+
+def _train(data, out, name, flags, *extra):
+    """train.py into ``out/name``; returns its stderr and its ramp-change lines."""
+    result = run_script('train.py', '--data-dir', data, '--output', out, '--experiment', name, *flags, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr, [line for line in result.stderr.splitlines() if 'Batch ramp before epoch' in line]
+
+
+def _check_whole_run(run):
+    """The uninterrupted run's global batches and LRs; returns its summary rows."""
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
+    rows = _rows(run / 'summary.csv')
+    assert [float(r['lr']) for r in rows] == pytest.approx(RAMPED_LRS, abs=1e-9)
+    return rows
+
+
+def _check_resumed(run, rows, inside):
+    """A run resumed after epoch 0 (or `inside` epoch 1) trains epochs 1 and 2 as the whole run's `rows` did."""
+    resumed_rows, rows = _rows(run / 'summary.csv'), rows[1:]
+    assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
+    whole_epochs = slice(1 if inside else 0, None)  # an epoch resumed inside reports the loss of its remainder
+    assert [float(r['train_loss']) for r in resumed_rows[whole_epochs]] == pytest.approx(
+        [float(r['train_loss']) for r in rows[whole_epochs]], rel=1e-4)
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['16', '32']
+
+
 def test_run_grows_the_batch_and_a_resume_continues_the_ramp(tmp_path):
     data = make_image_folder(tmp_path / 'data', per_class=32)
-    whole = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'whole', *RAMP_RUN)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    changes = [line for line in whole.stderr.splitlines() if 'Batch ramp before epoch' in line]
-    assert len(changes) == 2, whole.stderr[-3000:]
+    _, changes = _train(data, tmp_path, 'whole', RAMP_RUN)
+    assert len(changes) == 2
     assert 'accumulation 2 -> 4' in changes[0] and 'accumulation 4 -> 8' in changes[1]
     run = tmp_path / 'whole'
-    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']
-    # cosine over the recipe's 36 updates (12 an epoch): each epoch ends at its recipe point, LR doubled per change
-    recipe = [0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for t in (12, 24, 36)]
-    lrs = [float(r['lr']) for r in _rows(run / 'summary.csv')]
-    assert lrs == pytest.approx([recipe[0], 2 * recipe[1], 4 * recipe[2]], abs=1e-9)
+    rows = _check_whole_run(run)
     state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
     assert state['accum_steps'] == 8 and [c['new_accum'] for c in state['history']] == [4, 8]
 
     # resumed from the end of epoch 0: the same decision from the checkpoint's B_simple, the same LR and batches
-    resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'resumed', *RAMP_RUN,
-                         '--resume', str(run / 'checkpoint-0.pth.tar'))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = [line for line in resumed.stderr.splitlines() if 'Batch ramp before epoch' in line]
+    _, again = _train(data, tmp_path, 'resumed', RAMP_RUN, '--resume', str(run / 'checkpoint-0.pth.tar'))
     assert again == changes
-    rows, resumed_rows = _rows(run / 'summary.csv')[1:], _rows(tmp_path / 'resumed' / 'summary.csv')
-    assert [(r['epoch'], float(r['lr'])) for r in resumed_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
-    assert [float(r['train_loss']) for r in resumed_rows] == pytest.approx([float(r['train_loss']) for r in rows],
-                                                                            rel=1e-4)
-    assert [r['global_batch'] for r in _rows(tmp_path / 'resumed' / 'noise_scale.csv')] == ['16', '32']
-
+    _check_resumed(tmp_path / 'resumed', rows, inside=False)
     # resumed inside epoch 1 (5 of its 6 updates at accumulation 4 done): no second decision for epoch 1
-    inside = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'inside', *RAMP_RUN,
-                        '--resume', str(run / 'recovery-1-4.pth.tar'))
-    assert inside.returncode == 0, inside.stderr[-3000:]
-    assert [line for line in inside.stderr.splitlines() if 'Batch ramp before epoch' in line] == changes[1:]
-    inside_rows = _rows(tmp_path / 'inside' / 'summary.csv')
-    assert [(r['epoch'], float(r['lr'])) for r in inside_rows] == [(r['epoch'], float(r['lr'])) for r in rows]
-    assert [r['global_batch'] for r in _rows(tmp_path / 'inside' / 'noise_scale.csv')] == ['16', '32']
+    _, again = _train(data, tmp_path, 'inside', RAMP_RUN, '--resume', str(run / 'recovery-1-4.pth.tar'))
+    assert again == changes[1:]
+    _check_resumed(tmp_path / 'inside', rows, inside=True)
+
+
+# the same run with --batch-ramp-max-micro 8 (and --oom-recover, whose splitter follows the loader): the first change
+# doubles the micro-batch instead (24 -> 12 loader batches per epoch), the second, past the limit, the accumulation;
+# the global batches, LRs and recovery checkpoints are the accumulation-only run's
+MICRO_RUN = (*RAMP_RUN, '--batch-ramp-max-micro', '8', '--oom-recover')
+
+
+def test_run_grows_the_micro_batch_and_a_resume_rebuilds_its_loader(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=32)
+    log, changes = _train(data, tmp_path, 'whole', MICRO_RUN)
+    assert len(changes) == 2
+    assert 'micro-batch 4 -> 8, accumulation 2 -> 2 (global batch 8 -> 16, 12 -> 6 updates' in changes[0]
+    assert 'micro-batch' not in changes[1] and 'accumulation 2 -> 4 (global batch 16 -> 32, 6 -> 3' in changes[1]
+    assert 'Train: 1 [   5/6 ' in log and 'Train: 2 [   2/3 ' in log
+    run = tmp_path / 'whole'
+    rows = _check_whole_run(run)
+    state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
+    assert (state['micro_batch'], state['accum_steps'], state['recipe_micro']) == (8, 4, 4)
+    assert [(c['new_micro'], c['new_accum']) for c in state['history']] == [(8, 2), (8, 4)]
+
+    _, again = _train(data, tmp_path, 'resumed', MICRO_RUN, '--resume', str(run / 'checkpoint-0.pth.tar'))
+    assert again == changes  # the first change decided again, from the checkpoint's B_simple
+    _check_resumed(tmp_path / 'resumed', rows, inside=False)
+    # inside epoch 1, 5 of its 6 updates at micro-batch 8 done: the loader is rebuilt at 8 before the epoch goes on
+    log, again = _train(data, tmp_path, 'inside', MICRO_RUN, '--resume', str(run / 'recovery-1-4.pth.tar'))
+    assert again == changes[1:]
+    assert 'continuing the checkpoint\'s 8 x 1 rank x 2 accum' in log
+    assert 'Resuming epoch 1 at update 5/6: skipping 10 batches' in log
+    _check_resumed(tmp_path / 'inside', rows, inside=True)
 
 
 @pytest.mark.parametrize('flags,words', [
     (['--batch-ramp', '--grad-accum-steps', '2'], '--batch-ramp follows the gradient noise scale'),
     (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max', '64'], '--batch-ramp-max only acts'),
+    (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max-micro', '8'],
+     '--batch-ramp-max-micro only acts'),
+    (['--batch-ramp', '--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max-micro', '0'],
+     '--batch-ramp-max-micro'),
     (['--batch-ramp', '--log-noise-scale'], 'two batch sizes'),
     (['--batch-ramp', '--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-factor', '0'],
      '--batch-ramp-factor'),

@@ -16,7 +16,7 @@ from timm_ext.train.args import (
 )
 
 EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'log_noise_scale', 'no_safetensors', 'batch_ramp', 'batch_ramp_factor',
-                   'batch_ramp_max', 'batch_ramp_min_updates'}
+                   'batch_ramp_max', 'batch_ramp_max_micro', 'batch_ramp_min_updates'}
 
 
 @pytest.fixture(scope='module')
@@ -72,7 +72,8 @@ def test_parsed_defaults_equal_stock(spec):
         assert value == want and type(value) is type(want), f"{entry['dest']}: {value!r} != stock {want!r}"
     assert {k: parsed[k] for k in EXTENSION_DESTS} == {
         'oom_recover': False, 'oom_grow_back': None, 'log_noise_scale': False, 'no_safetensors': False,
-        'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None, 'batch_ramp_min_updates': None}
+        'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None, 'batch_ramp_max_micro': None,
+        'batch_ramp_min_updates': None}
 
 
 def test_model_kwargs_parse_like_stock():

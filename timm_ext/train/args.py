@@ -487,12 +487,16 @@ def _add_extension_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--log-noise-scale', action='store_true', default=False,
                        help='estimate and log the gradient noise scale (critical batch size)')
     group.add_argument('--batch-ramp', action='store_true', default=False,
-                       help='grow the accumulation at epoch boundaries as the measured B_simple grows, moving the '
+                       help='grow the global batch at epoch boundaries as the measured B_simple grows, moving the '
                             'LR by the run\'s rule (needs --log-noise-scale)')
     group.add_argument('--batch-ramp-factor', type=float, default=None, metavar='F',
                        help=f'--batch-ramp keeps the global batch within B_simple / F (default: {RAMP_FACTOR:g})')
     group.add_argument('--batch-ramp-max', type=int, default=None, metavar='N',
                        help='--batch-ramp never grows the global batch past N samples (default: no limit)')
+    group.add_argument('--batch-ramp-max-micro', type=int, default=None, metavar='N',
+                       help='--batch-ramp may grow the micro-batch per process up to N (the largest that fits, as '
+                            'tune_batch.py --dry-run reports it) before more accumulation (default: the micro-batch '
+                            'stays -b)')
     group.add_argument('--batch-ramp-min-updates', type=int, default=None, metavar='N',
                        help='--batch-ramp keeps at least N optimizer updates over the run at the grown batch '
                             '(default: the guard tune_batch.py applies to a bigger batch, its MIN_UPDATES)')

@@ -17,7 +17,11 @@ Every epoch trains the same samples whatever the accumulation, so a per-epoch sc
 per-update one (``--sched-on-updates``) is driven through `RecipeClock` in the recipe's updates (samples trained
 / the recipe's global batch), so the schedule's length stays the recipe's in samples.
 
-Only the accumulation grows: a bigger micro-batch would need a new loader, so the micro-batch stays the run's.
+The global batch is split as micro-batch x accumulation by `split_global`: with ``--batch-ramp-max-micro`` (the
+largest micro-batch per rank known to fit, e.g. the probe's) a bigger micro-batch comes before more accumulation,
+because on a GPU samples/s grows with the micro-batch while accumulation only saves optimizer steps. A new
+micro-batch means a new training loader (timm's has its batch size built in): `TrainLoaderRebuild` builds it with
+the training stack's own builder. Without the flag only the accumulation grows.
 
 The rule, the LR factor, the state and the log line are pure; `BatchRamp` applies them to a run's loop, optimizer
 and scheduler.
@@ -25,16 +29,18 @@ and scheduler.
 import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..accum import accumulation_windows
+from ..accum import accumulation_windows, plan_accumulation
 from ..lr import default_lr_scale, rescale_lr
 from .elastic import BatchLayout
+from .noise_monitor import noise_scale_problem
+from .setup import batch_multiple, build_train_loader, with_values
 
-__all__ = ['RAMP_FACTOR', 'MAX_GROWTH', 'RampChange', 'RampState', 'ramp_cap', 'plan_ramp', 'lr_factor',
-           'describe_ramp_change', 'RecipeClock', 'BatchRamp']
+__all__ = ['RAMP_FACTOR', 'MAX_GROWTH', 'RampChange', 'RampState', 'ramp_cap', 'plan_ramp', 'split_global',
+           'lr_factor', 'describe_ramp_change', 'RecipeClock', 'TrainLoaderRebuild', 'BatchRamp']
 
 _logger = logging.getLogger('train')
 
@@ -44,16 +50,18 @@ MAX_GROWTH = 2  # one change at most doubles the accumulation (the B_simple EMA 
 
 @dataclass(frozen=True)
 class RampChange:
-    """One change of the accumulation.
+    """One change of the global batch.
 
     Attributes:
-        epoch: The first epoch trained with the new accumulation.
+        epoch: The first epoch trained with the new layout.
         b_simple: The B_simple EMA (samples) the change followed.
         old_accum: Accumulation before the change.
         new_accum: Accumulation after it.
         old_global: Global batch before the change.
         new_global: Global batch after it.
         lr_factor: What the change multiplied the LR by.
+        old_micro: Micro-batch per rank before the change (None in checkpoints from before it could grow).
+        new_micro: Micro-batch per rank after it (None as `old_micro`).
     """
     epoch: int
     b_simple: float
@@ -62,30 +70,39 @@ class RampChange:
     old_global: int
     new_global: int
     lr_factor: float
+    old_micro: Optional[int] = None
+    new_micro: Optional[int] = None
 
 
 @dataclass
 class RampState:
-    """What a checkpoint keeps of the ramp (key ``batch_ramp``): the accumulation now, the recipe's, the changes.
+    """What a checkpoint keeps of the ramp (key ``batch_ramp``): the layout now, the recipe's, the changes.
 
     Attributes:
         accum_steps: The accumulation the run trains with now.
         recipe_accum: The recipe's accumulation (--grad-accum-steps), the start of the ramp.
         history: The changes so far, oldest first.
+        micro_batch: The micro-batch per rank the run trains with now; None: the recipe's (also in checkpoints
+            written before the micro-batch could grow).
+        recipe_micro: The recipe's micro-batch (-b); None as `micro_batch`.
     """
     accum_steps: int
     recipe_accum: int
     history: List[RampChange] = field(default_factory=list)
+    micro_batch: Optional[int] = None
+    recipe_micro: Optional[int] = None
 
     def state_dict(self) -> Dict[str, Any]:
         # plain types only: checkpoints are loaded with weights_only=True
         return {'accum_steps': self.accum_steps, 'recipe_accum': self.recipe_accum,
-                'history': [asdict(change) for change in self.history]}
+                'history': [asdict(change) for change in self.history], 'micro_batch': self.micro_batch,
+                'recipe_micro': self.recipe_micro}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.accum_steps = int(state['accum_steps'])
         self.recipe_accum = int(state['recipe_accum'])
         self.history = [RampChange(**change) for change in state.get('history', ())]
+        self.micro_batch, self.recipe_micro = state.get('micro_batch'), state.get('recipe_micro')
 
 
 def ramp_cap(layout: BatchLayout, batches_per_epoch: int, num_epochs: int, min_updates: int,
@@ -123,6 +140,40 @@ def plan_ramp(b_simple: float, layout: BatchLayout, factor: float, cap: int) -> 
     return accum if accum > layout.accum_steps else None
 
 
+def noise_min_accum(world_size: int) -> int:
+    """The least accumulation at which --log-noise-scale still measures B_simple: 1 on 2+ ranks, else 2 (one rank
+    needs two batch sizes in a window; the rule is `noise_scale_problem`'s)."""
+    return 2 if noise_scale_problem(1, world_size, 'samples') else 1
+
+
+def split_global(target_global: int, layout: BatchLayout, max_micro: Optional[int],
+                 multiple: int = 1) -> Tuple[int, int]:
+    """(micro-batch, accumulation) for a global batch the ramp grew to: the biggest micro-batch first.
+
+    A bigger micro-batch is faster per sample on a GPU; more accumulation only saves optimizer steps. The split is
+    exact (the global batch is the rule's, so the LR moves by the rule), the micro-batch never shrinks below
+    `layout`'s nor passes `max_micro`, stays a multiple of `multiple` (2 under mixup), and the accumulation keeps
+    what the noise-scale estimate needs (`noise_min_accum`), else the ramp would stop measuring.
+
+    Args:
+        target_global: The new global batch, a multiple of ``layout.micro_batch x layout.world_size``.
+        layout: The layout the last epoch trained with.
+        max_micro: The largest micro-batch per rank allowed (--batch-ramp-max-micro), None: keep `layout`'s.
+        multiple: What every micro-batch must be a multiple of (`timm_ext.train.setup.batch_multiple`).
+    """
+    world_size, micro = layout.world_size, layout.micro_batch
+    limit = min(max_micro or 0, target_global // (world_size * noise_min_accum(world_size)))
+    if limit > micro:
+        plan = plan_accumulation(target_global, world_size, limit, multiple)
+        if plan.exact and plan.micro_batch > micro:
+            return plan.micro_batch, plan.accum_steps
+        # plan_accumulation looks only at micro-batches of at least half the limit; any exact bigger one still helps
+        for bigger in range(limit - limit % multiple, micro, -multiple):
+            if target_global % (bigger * world_size) == 0:
+                return bigger, target_global // (bigger * world_size)
+    return micro, target_global // (micro * world_size)
+
+
 def lr_factor(old_global: int, new_global: int, scale: str) -> float:
     """What the LR is multiplied by when the global batch moves from `old_global` to `new_global` ('linear'/'sqrt')."""
     return rescale_lr(1.0, old_global, new_global, scale)
@@ -131,8 +182,10 @@ def lr_factor(old_global: int, new_global: int, scale: str) -> float:
 def describe_ramp_change(change: RampChange, factor: float, scale: str, lr_before: float, lr_after: float,
                          updates_before: int, updates_after: int) -> str:
     """The one log line of a change."""
+    micro = (f'micro-batch {change.old_micro} -> {change.new_micro}, ' if change.new_micro != change.old_micro
+             else '')
     return (f'Batch ramp before epoch {change.epoch}: B_simple ≈ {change.b_simple:.1f} samples allows a global batch '
-            f'up to B_simple / {factor:g} = {change.b_simple / factor:.0f}: accumulation {change.old_accum} -> '
+            f'up to B_simple / {factor:g} = {change.b_simple / factor:.0f}: {micro}accumulation {change.old_accum} -> '
             f'{change.new_accum} '
             f'(global batch {change.old_global} -> {change.new_global}, {updates_before} -> {updates_after} updates '
             f'per epoch), LR x{change.lr_factor:.4g} by the {scale} rule ({lr_before:.4g} -> {lr_after:.4g}).')
@@ -169,48 +222,94 @@ class RecipeClock:
         return getattr(scheduler, name)
 
 
+class TrainLoaderRebuild:
+    """Rebuilds a run's training loader at another micro-batch, with the training stack's own builder.
+
+    Everything but the batch size stays the run's (augmentation, mixup in the collate, prefetcher, sampler,
+    workers); the loop keeps its own mixup_fn (the same settings). The new loader replaces
+    ``stack.data.loader_train`` and its micro-batch ``stack.data.reference_batch``, the loss weights' reference;
+    the run sets its epoch before iterating it, as for the first.
+
+    Args:
+        args: The run's arguments (copied with the new -b, never changed).
+        stack: The run's training stack (`timm_ext.train.stack.TrainingStack`).
+        device: The training device.
+    """
+
+    def __init__(self, args: Any, stack: Any, device: torch.device):
+        self.args = args
+        self.stack = stack
+        self.device = device
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Loader batches per epoch of the loader the run trains with now."""
+        return len(self.stack.data.loader_train)
+
+    def __call__(self, micro_batch: int) -> int:
+        """Build the loader at `micro_batch` per rank and hand it to the run; returns its batches per epoch."""
+        stack = self.stack
+        loader, _, _ = build_train_loader(with_values(self.args, batch_size=micro_batch), stack.data.dataset_train,
+                                          stack.data_config, self.device, stack.model_dtype, stack.model)
+        stack.data.loader_train, stack.data.reference_batch = loader, float(micro_batch)
+        return len(loader)
+
+
 def _mean_lr(optimizer: torch.optim.Optimizer) -> float:
     return sum(group['lr'] for group in optimizer.param_groups) / len(optimizer.param_groups)
 
 
 class BatchRamp:
-    """Applies the ramp to a run: the loop's accumulation, the optimizer's LRs and the scheduler.
+    """Applies the ramp to a run: the loop's layout, the training loader, the optimizer's LRs and the scheduler.
 
     Args:
         optimizer: The run's optimizer.
         scheduler: The timm scheduler as built for the recipe (None without one); a per-update one is wrapped in
             `RecipeClock` (`scheduler` is what the loop and the resume must step).
         recipe: The recipe's layout (-b, ranks, --grad-accum-steps).
-        batches_per_epoch: Loader batches (micro-batches) per epoch on each rank.
+        batches_per_epoch: Loader batches (micro-batches) per epoch on each rank, at the recipe's micro-batch.
         num_epochs: Epochs of the run.
         factor: The global batch stays within B_simple / factor.
         min_updates: Updates a run at a bigger batch must keep (`ramp_cap`).
         max_global: The largest global batch, or None.
         scale: The run's LR rule, 'linear' or 'sqrt'.
         verbose: Log the changes (rank 0).
+        max_micro: The largest micro-batch per rank the ramp may grow to (--batch-ramp-max-micro), None: the
+            recipe's stays.
+        multiple: What every micro-batch must be a multiple of (2 under mixup).
+        reload: Rebuilds the training loader at a micro-batch and returns its batches per epoch
+            (`TrainLoaderRebuild`); needed with `max_micro`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, recipe: BatchLayout, batches_per_epoch: int,
                  num_epochs: int, factor: float = RAMP_FACTOR, min_updates: int = 0,
-                 max_global: Optional[int] = None, scale: str = 'linear', verbose: bool = True):
+                 max_global: Optional[int] = None, scale: str = 'linear', verbose: bool = True,
+                 max_micro: Optional[int] = None, multiple: int = 1,
+                 reload: Optional[Callable[[int], int]] = None):
+        if max_micro is not None and reload is None:
+            raise ValueError('a ramp that may grow the micro-batch needs reload, to rebuild the loader')
         self.optimizer = optimizer
         self.inner = scheduler
         self.recipe = recipe
-        self.batches_per_epoch = batches_per_epoch
+        self.batches_per_epoch = batches_per_epoch  # of the loader the run trains with now
+        self.loader_micro = recipe.micro_batch  # the micro-batch that loader was built for
         self.num_epochs = num_epochs
         self.factor = factor
         self.min_updates = min_updates
         self.max_global = max_global
         self.scale = scale
         self.verbose = verbose
-        self.state = RampState(recipe.accum_steps, recipe.accum_steps)
+        self.max_micro = max_micro
+        self.multiple = multiple
+        self.reload = reload
+        self.state = RampState(recipe.accum_steps, recipe.accum_steps, [], recipe.micro_batch, recipe.micro_batch)
         self.scheduler = scheduler
         if scheduler is not None and not scheduler.t_in_epochs:
             self.scheduler = RecipeClock(scheduler, self.updates_per_epoch)
         self._capped_logged = False
 
     @classmethod
-    def for_run(cls, args: Any, optimizer: torch.optim.Optimizer, scheduler: Any, batches_per_epoch: int,
+    def for_run(cls, args: Any, optimizer: torch.optim.Optimizer, scheduler: Any, loader: TrainLoaderRebuild,
                 num_epochs: int, min_updates: int, saved: Optional[Dict[str, Any]] = None,
                 verbose: bool = True) -> 'BatchRamp':
         """The ramp of a train.py run from its arguments, continuing a resumed checkpoint's ramp.
@@ -219,24 +318,27 @@ class BatchRamp:
             args: train.py's arguments (the layout as the run trains it, after any elastic re-plan).
             optimizer: The optimizer (a resumed one carries the checkpoint's ramped LR).
             scheduler: The timm scheduler as built, or None.
-            batches_per_epoch: Loader batches per epoch.
+            loader: Rebuilds the run's training loader (which is at the recipe's micro-batch now).
             num_epochs: Epochs of the run.
             min_updates: The update guard when --batch-ramp-min-updates is unset.
-            saved: The resumed checkpoint's ramp state (`timm_ext.train.checkpoint.saved_ramp_state`), or None.
+            saved: The resumed checkpoint's ramp state (`timm_ext.train.checkpoint.saved_ramp_state`), or None. A
+                saved ramp at another micro-batch than -b rebuilds the loader at it now.
             verbose: Log (rank 0).
         """
         recipe = BatchLayout(args.batch_size, args.world_size, args.grad_accum_steps)
         factor = args.batch_ramp_factor or RAMP_FACTOR
-        ramp = cls(optimizer, scheduler, recipe, batches_per_epoch, num_epochs, factor,
+        ramp = cls(optimizer, scheduler, recipe, loader.batches_per_epoch, num_epochs, factor,
                    args.batch_ramp_min_updates or min_updates, args.batch_ramp_max,
-                   args.lr_base_scale or default_lr_scale(args.opt), verbose)
+                   args.lr_base_scale or default_lr_scale(args.opt), verbose, args.batch_ramp_max_micro,
+                   batch_multiple(args), loader)
         if saved:
             ramp.restore(saved, fresh_optimizer=args.no_resume_opt)
         return ramp
 
     @property
     def layout(self) -> BatchLayout:
-        return replace(self.recipe, accum_steps=self.state.accum_steps)
+        return replace(self.recipe, micro_batch=self.state.micro_batch or self.recipe.micro_batch,
+                       accum_steps=self.state.accum_steps)
 
     @property
     def updates_per_epoch(self) -> int:
@@ -248,25 +350,32 @@ class BatchRamp:
     def restore(self, state: Dict[str, Any], fresh_optimizer: bool = False) -> None:
         """Continue a checkpoint's ramp (before the scheduler is positioned: it must count in the ramp's updates).
 
-        A resume on another layout (an elastic re-plan) keeps the ramp's growth over the recipe. The optimizer's
-        state carries the ramped LR; a fresh one (`fresh_optimizer`, --no-resume-opt) gets it by the rule.
+        The same recipe continues at the checkpoint's layout, its micro-batch included (the loader is rebuilt at
+        it). A resume on another layout (an elastic re-plan) keeps the ramp's growth of the global batch over the
+        recipe, split again by `split_global`. The optimizer's state carries the ramped LR; a fresh one
+        (`fresh_optimizer`, --no-resume-opt) gets it by the rule.
         """
         saved = RampState(1, 1)
         saved.load_state_dict(state)
-        accum = saved.accum_steps
-        if saved.recipe_accum != self.recipe.accum_steps:
-            growth = saved.accum_steps / saved.recipe_accum
-            accum = max(self.recipe.accum_steps, round(growth * self.recipe.accum_steps))
-        self.state = RampState(accum, self.recipe.accum_steps, saved.history)
+        recipe = self.recipe
+        saved_recipe_micro = saved.recipe_micro or recipe.micro_batch
+        micro, accum = saved.micro_batch or saved_recipe_micro, saved.accum_steps
+        if (saved_recipe_micro, saved.recipe_accum) != (recipe.micro_batch, recipe.accum_steps):
+            growth = micro * accum / (saved_recipe_micro * saved.recipe_accum)
+            accum = max(recipe.accum_steps, round(growth * recipe.accum_steps))
+            micro, accum = split_global(recipe.micro_batch * recipe.world_size * accum, recipe, self.max_micro,
+                                        self.multiple)
+        self.state = RampState(accum, recipe.accum_steps, saved.history, micro, recipe.micro_batch)
+        self._sync_loader()
         self._sync_clock()
-        if fresh_optimizer and accum != self.recipe.accum_steps:
-            self._scale_lr(lr_factor(self.recipe.global_batch, self.layout.global_batch, self.scale))
+        if fresh_optimizer and self.layout.global_batch != recipe.global_batch:
+            self._scale_lr(lr_factor(recipe.global_batch, self.layout.global_batch, self.scale))
         if self.verbose:
             _logger.info(f'Batch ramp: continuing the checkpoint\'s {self.layout.describe()} ({len(saved.history)} '
-                         f'change(s) so far; the recipe\'s accumulation is {self.recipe.accum_steps}).')
+                         f'change(s) so far; the recipe is {recipe.describe()}).')
 
     def before_epoch(self, epoch: int, loop: Any, decide: bool = True) -> bool:
-        """Re-plan from the B_simple so far and set the loop's accumulation; True when the accumulation grew.
+        """Re-plan from the B_simple so far and set the loop's layout; True when the global batch grew.
 
         Called at the start of every epoch on every rank (the estimate is averaged over ranks, a collective, so
         all ranks take the same decision). `decide` is False when resuming inside an epoch: its change was made
@@ -276,7 +385,7 @@ class BatchRamp:
         if decide:
             summary = loop.noise_scale_summary()
             changed = summary is not None and self._grow(epoch, summary.b_simple)
-        loop.set_accum_steps(self.state.accum_steps)
+        loop.set_layout(self.layout.micro_batch, self.state.accum_steps)
         return changed
 
     def _grow(self, epoch: int, b_simple: float) -> bool:
@@ -290,18 +399,28 @@ class BatchRamp:
                              f'bigger batch, but {layout.describe()} is the cap (at least {self.min_updates} '
                              f'updates over {self.num_epochs} epochs, largest global batch {self.max_global}).')
             return False
-        new = replace(layout, accum_steps=accum)
+        # never a micro-batch past the samples a rank trains per epoch: the new loader would have no batch
+        max_micro = self.max_micro and min(self.max_micro, self.batches_per_epoch * self.loader_micro)
+        micro, accum = split_global(layout.micro_batch * layout.world_size * accum, layout, max_micro, self.multiple)
+        new = replace(layout, micro_batch=micro, accum_steps=accum)
         change = RampChange(epoch, b_simple, layout.accum_steps, accum, layout.global_batch, new.global_batch,
-                            lr_factor(layout.global_batch, new.global_batch, self.scale))
+                            lr_factor(layout.global_batch, new.global_batch, self.scale), layout.micro_batch, micro)
         lr_before, updates_before = _mean_lr(self.optimizer), self.updates_per_epoch
-        self.state.accum_steps = accum
+        self.state.accum_steps, self.state.micro_batch = accum, micro
         self.state.history.append(change)
+        self._sync_loader()
         self._sync_clock()
         self._scale_lr(change.lr_factor, epoch)
         if self.verbose:
             _logger.info(describe_ramp_change(change, self.factor, self.scale, lr_before, _mean_lr(self.optimizer),
                                               updates_before, self.updates_per_epoch))
         return True
+
+    def _sync_loader(self) -> None:
+        """Rebuild the training loader when the ramp's micro-batch is not the one it was built for."""
+        micro = self.layout.micro_batch
+        if micro != self.loader_micro:
+            self.batches_per_epoch, self.loader_micro = self.reload(micro), micro
 
     def _sync_clock(self) -> None:
         if isinstance(self.scheduler, RecipeClock):

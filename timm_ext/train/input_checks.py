@@ -46,6 +46,7 @@ def batch_ramp_problem(args: argparse.Namespace) -> Optional[str]:
     """Why the --batch-ramp flags cannot work: the ramp follows the B_simple that --log-noise-scale measures."""
     if not args.batch_ramp:
         options = (('--batch-ramp-factor', args.batch_ramp_factor), ('--batch-ramp-max', args.batch_ramp_max),
+                   ('--batch-ramp-max-micro', args.batch_ramp_max_micro),
                    ('--batch-ramp-min-updates', args.batch_ramp_min_updates))
         given = [flag for flag, value in options if value is not None]
         return f'{given[0]} only acts with --batch-ramp; add --batch-ramp' if given else None

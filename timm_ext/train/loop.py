@@ -186,9 +186,20 @@ class TrainLoop:
             task, self.params, cfg.device, max(1, round(cfg.batch_size)), cfg.accum_steps, cfg.oom_grow_back,
             cfg.world_size, cfg.rank, optimizer, self.noise) if cfg.oom_recover else None
 
-    def set_accum_steps(self, accum_steps: int) -> None:
-        """Train the next epochs with `accum_steps` micro-batches per update (--batch-ramp grows it between epochs)."""
-        self.cfg = dataclasses.replace(self.cfg, accum_steps=accum_steps)
+    def set_layout(self, batch_size: float, accum_steps: int) -> None:
+        """Train the next epochs with loader batches of `batch_size` and `accum_steps` of them per update.
+
+        --batch-ramp grows them between epochs (a new micro-batch comes with a new loader). `batch_size` is the
+        loss weights' reference; OOM recovery cuts the new batches into pieces no bigger than those it was cutting
+        (a micro-batch that ran out of memory would again), or none when it was not cutting.
+        """
+        self.cfg = dataclasses.replace(self.cfg, batch_size=batch_size, accum_steps=accum_steps)
+        if self.replay is not None:
+            self.replay.accum_steps = accum_steps
+            splitter, loader_batch = self.replay.splitter, max(1, round(batch_size))
+            if splitter.splits > 1:
+                splitter.splits = min(math.ceil(loader_batch / splitter.micro_batch), loader_batch)
+            splitter.batch_size = loader_batch
 
     # ---- one micro-batch ------------------------------------------------------------------------------------
 

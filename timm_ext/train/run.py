@@ -31,7 +31,7 @@ from ..launch import current_topology
 from ..lr import default_lr_scale
 from ..memory import device_name
 from .args import args_to_yaml
-from .batch_ramp import BatchRamp
+from .batch_ramp import BatchRamp, TrainLoaderRebuild
 from .elastic import (
     ElasticResume, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume,
     resume_updates, tune_hint,
@@ -129,9 +129,9 @@ class TrainingRun:
             updates_per_epoch=self.updates_per_epoch)
         self.ramp = None
         if args.batch_ramp:  # the schedule runs in the recipe's updates, the epochs in the ramp's (a resume: its own)
-            self.ramp = BatchRamp.for_run(args, self.stack.optimizer, self.lr_scheduler, len(loader_train),
-                                          self.num_epochs, MIN_UPDATES, ckpt.saved_ramp_state(self.resumed),
-                                          self.primary)
+            self.ramp = BatchRamp.for_run(args, self.stack.optimizer, self.lr_scheduler,
+                                          TrainLoaderRebuild(args, self.stack, self.device), self.num_epochs,
+                                          MIN_UPDATES, ckpt.saved_ramp_state(self.resumed), self.primary)
             self.lr_scheduler, self.updates_per_epoch = self.ramp.scheduler, self.ramp.updates_per_epoch
 
     def restore(self) -> None:
@@ -228,10 +228,9 @@ class TrainingRun:
                 self.run_epoch(epoch)
 
     def replan_batch(self, epoch: int) -> None:
-        """--batch-ramp: before ``epoch``, grow accumulation (and move the LR) from the B_simple measured so far.
-
-        Decided at the epoch's start, so a resume from the last checkpoint makes the same decision from the same
-        restored estimate; an epoch resumed inside decided before it was saved."""
+        """--batch-ramp: before ``epoch``, grow the global batch (and move the LR) from the B_simple so far; a new
+        micro-batch comes with a new ``stack.data.loader_train``. Decided at the epoch's start, so a resume from the
+        last checkpoint decides the same from the same restored estimate; an epoch resumed inside decided before."""
         if self.ramp is None:
             return
         resumed_inside = epoch == self.start.epoch and self.start.updates_done > 0
@@ -248,7 +247,7 @@ class TrainingRun:
         train_metrics = self.loop.train_one_epoch(epoch, loader_train, start_update)
         noise = self.loop.noise_scale_summary()
         if noise is not None and self.primary:
-            global_batch = args.batch_size * args.world_size * self.loop.cfg.accum_steps  # --batch-ramp grows it
+            global_batch = round(self.loop.cfg.batch_size) * args.world_size * self.loop.cfg.accum_steps  # ramped
             _logger.info(f'Epoch {epoch}: {noise.message(global_batch)}')
             write_noise_scale_row(os.path.join(self.output_dir, 'noise_scale.csv'), epoch, noise, global_batch)
         self._distribute_bn(self.stack.task.get_trainable_module())
