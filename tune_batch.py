@@ -406,6 +406,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     grid = default_grid(device.type, args.batch_multiple)
     setup = build_train_trial(args, device)
     dataset_train, dataset_eval = build_datasets(args, 'RGB' if setup.input_size[0] == 3 else 'L')
+    setup.eval_samples = len(dataset_eval) if dataset_eval is not None else 0  # trials run train.py's eval shapes
     train_samples = len(dataset_train)
     max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
     if max_batch < 1:
@@ -452,8 +453,9 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
 
     def probe_at(input_size: Tuple[int, int, int], start: int, limit: int) -> ProbeOutcome:
         # the run's own setup where it already trains at this size; else one for this size, released after
-        setup = (request.setup if tuple(input_size) == largest else
-                 build_train_trial(size_trial_args(args, input_size), request.device))
+        setup = (request.setup if tuple(input_size) == largest else dataclasses.replace(
+                 build_train_trial(size_trial_args(args, input_size), request.device),
+                 eval_samples=request.setup.eval_samples))
         label = 'x'.join(map(str, input_size[1:]))
         return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json').run('max', limit, start)
 
