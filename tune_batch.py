@@ -437,7 +437,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     if 'validation_batch_size' in given:
         tuned.eval_lines = [f'Eval batch: --validation-batch-size {args.validation_batch_size} as given; not probed.']
     elif dataset_eval is not None:
-        eval_request = dataclasses.replace(request, setup=setup.eval_trials(), phase='eval',
+        eval_request = dataclasses.replace(request, setup=setup.eval_trials(tuned.plan.micro_batch), phase='eval',
                                            trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)

@@ -131,3 +131,7 @@ def test_the_warmup_is_an_update_then_the_eval_pass_in_shapes():
     calls.clear()
     setup.eval_trials().warmup(6)
     assert calls == [('eval step', 6)], 'the eval-batch probe warms up with its own step only'
+    calls.clear()
+    setup.train_step = lambda b: calls.append(('train', b))
+    setup.eval_trials(train_batch=6).warmup(8)
+    assert calls == [('train', 6), ('eval step', 8), ('eval', 4), ('train', 6)], 'the next epoch trains after it'

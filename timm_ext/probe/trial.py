@@ -102,6 +102,8 @@ class TrainTrialSetup:
         eval_samples: Samples of the eval split, whose remainder makes the eval pass's last, smaller batch: 0 when
             train.py will not evaluate, None when unknown (the warm-up then evaluates at the eval batch only).
         world_size: Ranks the eval split is shared over.
+        train_step: The training update (`step` of a training trial; kept when `eval_trials` replaces `step`).
+        train_batch: Eval-batch trials only: the run's training micro-batch, trained at around the eval pass.
     """
     step: Callable[[int], None]
     reset: Callable[[], None]
@@ -114,21 +116,43 @@ class TrainTrialSetup:
     eval_batch_size: Optional[int] = None
     eval_samples: Optional[int] = None
     world_size: int = 1
+    train_step: Optional[Callable[[int], None]] = None
+    train_batch: Optional[int] = None
 
     def warmup(self, batch_size: int) -> None:
-        """The trial's untimed first part: one update, then train.py's eval pass in shapes (see the module doc)."""
-        self.step(batch_size)
+        """The trial's untimed first part, train.py's epoch boundary: a training trial runs one update, then the eval
+        pass in shapes (see the module doc); an eval-batch trial (`eval_trials`) trains at the run's batch, runs the
+        eval pass at `batch_size`, and trains again (the next epoch, with the eval shapes resident)."""
+        if self.train_batch is None:
+            self.step(batch_size)
+            self._eval_pass(self.eval_batch_size or batch_size)
+        else:
+            self.train_step(self.train_batch)
+            self.step(batch_size)
+            self._eval_pass(batch_size, skip_first=True)
+            self.train_step(self.train_batch)
+
+    def _eval_pass(self, eval_batch: int, skip_first: bool = False) -> None:
+        """One evaluation forward at each batch shape of train.py's eval pass (none without `eval_forward`)."""
         if self.eval_forward is not None:
-            for rows in eval_batch_shapes(self.eval_batch_size or batch_size, self.eval_samples, self.world_size):
+            for rows in eval_batch_shapes(eval_batch, self.eval_samples, self.world_size)[int(skip_first):]:
                 self.eval_forward(rows)
 
-    def eval_trials(self) -> 'TrainTrialSetup':
-        """The same run's evaluation step as the trial (for `probe_train_batch`)."""
+    def eval_trials(self, train_batch: Optional[int] = None) -> 'TrainTrialSetup':
+        """The same run's evaluation step as the trial (for `probe_train_batch`).
+
+        Args:
+            train_batch: The run's training micro-batch, once chosen: the warm-up then trains at it around the eval
+                pass, so the peak counts train.py's next epoch with the eval batch's shapes resident. None: the eval
+                forward alone, after a tiny update that allocates the optimizer state.
+        """
         if self.eval_step is None:
             raise ValueError('this setup was built without an evaluation step')
-        return dataclasses.replace(self, step=self.eval_step, input_size=self.eval_input_size, eval_forward=None,
+        return dataclasses.replace(self, step=self.eval_step, input_size=self.eval_input_size,
+                                   eval_forward=self.eval_forward if train_batch else None, train_batch=train_batch,
                                    describe=f'{self.describe}; evaluation forward (no gradients) at input '
-                                            f'{"x".join(map(str, self.eval_input_size))}')
+                                            f'{"x".join(map(str, self.eval_input_size))}'
+                                            + (f' between updates at batch {train_batch}' if train_batch else ''))
 
 
 def eval_batch_shapes(eval_batch: int, eval_samples: Optional[int], world_size: int = 1) -> List[int]:
@@ -180,7 +204,7 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     forward = _eval_forward(args, stack, eval_input_size, device)
     return TrainTrialSetup(step, reset, tuple(input_size), _describe_trial(args, stack, input_size, compile_mode),
                            device, _eval_step(stack, step, forward), eval_input_size, forward,
-                           args.validation_batch_size, None, max(1, args.world_size))
+                           args.validation_batch_size, None, max(1, args.world_size), step)
 
 
 def _train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
