@@ -3,10 +3,11 @@
 `build_train_trial` takes train.py's parsed arguments and sets up what decides a training step's memory with
 train.py's own builder (`timm_ext.train.stack`) and loop (`timm_ext.train.loop.TrainLoop`): the model with its
 dtype, channels_last and gradient checkpointing, the task and loss, the optimizer (`create_optimizer_v2`), the EMA
-copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up update (it allocates
-the optimizer state) and a timed update, on random inputs of the largest size the run will see, directly on the
-device. Under DDP the trial adds a buffer the size of the gradients for DDP's gradient buckets but runs no
-collective inside the step, so a rank that fails alone cannot leave the others waiting.
+copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up (an update, which
+allocates the optimizer state, and the eval pass in shapes, below) and timed updates, on random inputs of the
+largest size the run will see, directly on the device. Under DDP the trial adds a buffer the size of the gradients
+for DDP's gradient buckets but runs no collective inside the step, so a rank that fails alone cannot leave the
+others waiting.
 
 Three things differ from the run on purpose, each to keep a trial one honest, self-contained step:
 
