@@ -9,7 +9,9 @@ import torch.nn as nn
 
 from conftest import REPO_ROOT
 from timm_ext.train.input_checks import extension_problem
-from timm_ext.probe.trial import PROBE_LOSS_SCALE, build_train_trial, probe_compile_mode, probe_grad_scaler
+from timm_ext.probe.trial import (
+    PROBE_LOSS_SCALE, build_train_trial, eval_batch_shapes, probe_compile_mode, probe_grad_scaler,
+)
 from timm_ext.train.args import parse_args
 from timm_ext.train.setup import UsageError, build_model
 
@@ -102,3 +104,34 @@ def test_tune_batch_refuses_oom_recover_with_sync_bn_on_several_processes(capsys
     assert tune_script.main(['--model', 'test_resnet', '--nproc', '2', '--sync-bn', '--oom-recover']) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'cannot run with --sync-bn' in err
+
+
+@pytest.mark.parametrize('eval_batch, samples, world, shapes', [
+    (19, 127, 1, [19, 13]),  # the eval batch, then the split's smaller remainder
+    (20, 120, 1, [20]),  # no remainder: one shape
+    (200, 127, 1, [127]),  # a split smaller than the batch: one batch of all of it
+    (50, 127, 2, [50, 14]),  # per rank: the distributed sampler pads 127 to 128, 64 a rank
+    (19, 0, 1, []),  # no eval split: train.py does not evaluate
+    (19, None, 1, [19]),  # split size unknown: the eval batch alone
+])
+def test_eval_batch_shapes_are_the_shapes_of_trains_eval_pass(eval_batch, samples, world, shapes):
+    assert eval_batch_shapes(eval_batch, samples, world) == shapes
+
+
+def test_the_warmup_is_an_update_then_the_eval_pass_in_shapes():
+    args, _ = parse_args(['--model', 'test_resnet', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+                          '-vb', '8'])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    setup = build_train_trial(args, CPU)
+    calls = []
+    setup.step, setup.eval_step = (lambda b: calls.append(('train', b))), (lambda b: calls.append(('eval step', b)))
+    setup.eval_forward, setup.eval_samples = (lambda b: calls.append(('eval', b))), 20
+    setup.warmup(6)
+    assert calls == [('train', 6), ('eval', 8), ('eval', 4)]  # -vb 8 over 20 samples: 8, 8, then 4
+    calls.clear()
+    setup.eval_trials().warmup(6)
+    assert calls == [('eval step', 6)], 'the eval-batch probe warms up with its own step only'
+    calls.clear()
+    setup.train_step = lambda b: calls.append(('train', b))
+    setup.eval_trials(train_batch=6).warmup(8)
+    assert calls == [('train', 6), ('eval step', 8), ('eval', 4), ('train', 6)], 'the next epoch trains after it'

@@ -3,11 +3,12 @@
 One JSON file per request in the user's cache folder (`$TIMM_EXT_CACHE_DIR`, else `$XDG_CACHE_HOME/timm_ext`, else
 `~/.cache/timm_ext`), named by a hash of the key. The key holds everything that changes a step's memory or the
 search's path: model and its kwargs, input size, precision, channels_last, gradient checkpointing, optimizer, EMA,
-the device's name and total memory, world size, torch and timm versions, and the probe's own settings (budget,
-headroom, grid, start, limit). The cached trial table is re-selected on a hit, so `--select max` and
-`--select critical` share an entry; a throughput request adds its re-timing rounds and `--throughput-tol` to the key,
-because its table holds re-timings chosen with that tolerance. Files are written atomically; an unreadable one
-(corrupted, truncated, not ours) is a warning and a miss, so the probe runs again and replaces it.
+the eval batch, the device's name and total memory, world size, torch and timm versions, what a trial runs
+(`TRIAL_FORM`), and the probe's own settings (budget, headroom, grid, start, limit). The cached trial table is
+re-selected on a hit, so `--select max` and `--select critical` share an entry; a throughput request adds its
+re-timing rounds and `--throughput-tol` to the key, because its table holds re-timings chosen with that tolerance.
+Files are written atomically; an unreadable one (corrupted, truncated, not ours) is a warning and a miss, so the
+probe runs again and replaces it.
 """
 import argparse
 import hashlib
@@ -33,8 +34,11 @@ _MEMORY_FLAGS = (
     'model_dtype', 'channels_last', 'grad_checkpointing', 'opt', 'opt_kwargs', 'layer_decay', 'model_ema',
     'model_ema_force_cpu', 'torchcompile', 'torchcompile_mode', 'torchscript', 'aug_splits', 'split_bn', 'sync_bn',
     'mixup', 'cutmix', 'cutmix_minmax', 'jsd_loss', 'bce_loss', 'clip_grad', 'clip_mode', 'kd_model_name',
-    'kd_distill_type', 'fast_norm',
+    'kd_distill_type', 'fast_norm', 'validation_batch_size',
 )
+# What a trial runs (`timm_ext.probe.trial`), so that tables of an earlier kind of trial are not reused: since the
+# warm-up also runs train.py's eval pass in shapes, the same size measures a higher peak on CPU.
+TRIAL_FORM = 'update, eval pass in shapes, timed updates'
 
 
 def cache_dir() -> Path:
@@ -59,7 +63,7 @@ def probe_key(args: argparse.Namespace, input_size: Sequence[int], device_name: 
     """
     key = {flag: getattr(args, flag, None) for flag in _MEMORY_FLAGS}
     key.update(input_size=list(input_size), device=device_name, device_total=device_total, world_size=world_size,
-               torch=torch.__version__, timm=timm.__version__, **settings)
+               torch=torch.__version__, timm=timm.__version__, trial=TRIAL_FORM, **settings)
     return json.loads(json.dumps(key, sort_keys=True, default=str))  # plain types only, stable order
 
 

@@ -637,6 +637,7 @@ def measured_trial(
         capped: bool = False,
         before: Optional[Callable[[], None]] = None,
         isolate: bool = False,
+        warmup: Optional[Callable[[int], object]] = None,
 ) -> TrialFn:
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
@@ -655,6 +656,7 @@ def measured_trial(
         capped: A CPU memory cap is in force: oneDNN primitive-creation failures count as OOM.
         before: Called before each trial (reset gradients, optimizer state, scaler).
         isolate: CPU only: run each trial in a forked copy of this process (see `run_forked`).
+        warmup: Runs a warm-up step instead of `step` (e.g. an update and then an eval pass); default `step`.
     """
     device = torch.device(device)
     meter = meter or PeakMeter(device)
@@ -668,7 +670,7 @@ def measured_trial(
         meter.reset()
         try:
             for _ in range(warmup_steps):
-                step(batch_size)
+                (warmup or step)(batch_size)
             _synchronize(device)
             seconds = math.inf
             for _ in range(timed_steps):

@@ -3,10 +3,11 @@
 `build_train_trial` takes train.py's parsed arguments and sets up what decides a training step's memory with
 train.py's own builder (`timm_ext.train.stack`) and loop (`timm_ext.train.loop.TrainLoop`): the model with its
 dtype, channels_last and gradient checkpointing, the task and loss, the optimizer (`create_optimizer_v2`), the EMA
-copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up update (it allocates
-the optimizer state) and a timed update, on random inputs of the largest size the run will see, directly on the
-device. Under DDP the trial adds a buffer the size of the gradients for DDP's gradient buckets but runs no
-collective inside the step, so a rank that fails alone cannot leave the others waiting.
+copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up (an update, which
+allocates the optimizer state, and the eval pass in shapes, below) and timed updates, on random inputs of the
+largest size the run will see, directly on the device. Under DDP the trial adds a buffer the size of the gradients
+for DDP's gradient buckets but runs no collective inside the step, so a rank that fails alone cannot leave the
+others waiting.
 
 Three things differ from the run on purpose, each to keep a trial one honest, self-contained step:
 
@@ -18,6 +19,13 @@ Three things differ from the run on purpose, each to keep a trial one honest, se
   (`probe_compile_mode`): the graphs recorded for each batch size keep private memory pools that `empty_cache`
   does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
   but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
+
+A trial's warm-up (`TrainTrialSetup.warmup`) is train.py's first epoch boundary in small: one update, then one
+evaluation forward at every batch shape train.py's eval pass runs (the eval batch, and the smaller last batch of the
+split, `eval_batch_shapes`), then the timed updates. On CPU oneDNN caches each shape's kernels with their buffers for
+the life of the process, so train.py's second epoch trains with the eval pass's shapes resident: test_resnet at
+32 px, batch 19, peaked 41.7 MiB in its first epoch and 49.7 MiB after the first eval, while a trial of updates only
+measured 41.9 MiB, and the chosen batch ran out of memory in train.py under the probe's own cap.
 
 The same setup also times the run's evaluation step (`TrainTrialSetup.eval_trials`): a forward pass without
 gradients of the eval model at the eval input size, with the optimizer state resident as it is when train.py
@@ -45,7 +53,7 @@ from ..train.setup import SetupError, mixup_active, with_values
 from ..train.stack import TrainingStack, build_training_stack
 
 __all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
-           'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE']
+           'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
 
 _logger = logging.getLogger(__name__)
 
@@ -90,6 +98,13 @@ class TrainTrialSetup:
         device: The device trials run on.
         eval_step: Runs one evaluation forward at a batch size (no gradients), the optimizer state allocated.
         eval_input_size: (C, H, W) train.py evaluates at.
+        eval_forward: One evaluation forward at a batch size, nothing else (the warm-up's eval pass).
+        eval_batch_size: train.py's --validation-batch-size (None: it evaluates at the training batch).
+        eval_samples: Samples of the eval split, whose remainder makes the eval pass's last, smaller batch: 0 when
+            train.py will not evaluate, None when unknown (the warm-up then evaluates at the eval batch only).
+        world_size: Ranks the eval split is shared over.
+        train_step: The training update (`step` of a training trial; kept when `eval_trials` replaces `step`).
+        train_batch: Eval-batch trials only: the run's training micro-batch, trained at around the eval pass.
     """
     step: Callable[[int], None]
     reset: Callable[[], None]
@@ -98,14 +113,62 @@ class TrainTrialSetup:
     device: torch.device
     eval_step: Optional[Callable[[int], None]] = None
     eval_input_size: Optional[Tuple[int, ...]] = None
+    eval_forward: Optional[Callable[[int], None]] = None
+    eval_batch_size: Optional[int] = None
+    eval_samples: Optional[int] = None
+    world_size: int = 1
+    train_step: Optional[Callable[[int], None]] = None
+    train_batch: Optional[int] = None
 
-    def eval_trials(self) -> 'TrainTrialSetup':
-        """The same run's evaluation step as the trial (for `probe_train_batch`)."""
+    def warmup(self, batch_size: int) -> None:
+        """The trial's untimed first part, train.py's epoch boundary: a training trial runs one update, then the eval
+        pass in shapes (see the module doc); an eval-batch trial (`eval_trials`) trains at the run's batch, runs the
+        eval pass at `batch_size`, and trains again (the next epoch, with the eval shapes resident)."""
+        if self.train_batch is None:
+            self.step(batch_size)
+            self._eval_pass(self.eval_batch_size or batch_size)
+        else:
+            self.train_step(self.train_batch)
+            self.step(batch_size)
+            self._eval_pass(batch_size, skip_first=True)
+            self.train_step(self.train_batch)
+
+    def _eval_pass(self, eval_batch: int, skip_first: bool = False) -> None:
+        """One evaluation forward at each batch shape of train.py's eval pass (none without `eval_forward`)."""
+        if self.eval_forward is not None:
+            for rows in eval_batch_shapes(eval_batch, self.eval_samples, self.world_size)[int(skip_first):]:
+                self.eval_forward(rows)
+
+    def eval_trials(self, train_batch: Optional[int] = None) -> 'TrainTrialSetup':
+        """The same run's evaluation step as the trial (for `probe_train_batch`).
+
+        Args:
+            train_batch: The run's training micro-batch, once chosen: the warm-up then trains at it around the eval
+                pass, so the peak counts train.py's next epoch with the eval batch's shapes resident. None: the eval
+                forward alone, after a tiny update that allocates the optimizer state.
+        """
         if self.eval_step is None:
             raise ValueError('this setup was built without an evaluation step')
         return dataclasses.replace(self, step=self.eval_step, input_size=self.eval_input_size,
+                                   eval_forward=self.eval_forward if train_batch else None, train_batch=train_batch,
                                    describe=f'{self.describe}; evaluation forward (no gradients) at input '
-                                            f'{"x".join(map(str, self.eval_input_size))}')
+                                            f'{"x".join(map(str, self.eval_input_size))}'
+                                            + (f' between updates at batch {train_batch}' if train_batch else ''))
+
+
+def eval_batch_shapes(eval_batch: int, eval_samples: Optional[int], world_size: int = 1) -> List[int]:
+    """The batch sizes train.py's eval pass runs on one rank: the eval batch, then the split's smaller remainder.
+
+    Args:
+        eval_batch: The eval loader's batch size.
+        eval_samples: Samples in the eval split; 0: no eval pass; None: unknown (the eval batch alone).
+        world_size: Ranks; timm's distributed eval sampler pads the split to a multiple of it.
+    """
+    if eval_samples is None:
+        return [eval_batch]
+    per_rank = -(-eval_samples // max(1, world_size))
+    full, rest = divmod(per_rank, eval_batch)
+    return ([eval_batch] if full else []) + ([rest] if rest else [])
 
 
 def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTrialSetup:
@@ -139,8 +202,10 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
         stack.optimizer.state.clear()
         loop.grad_scaler = probe_grad_scaler(device) if stack.amp.use_grad_scaler else None
 
+    forward = _eval_forward(args, stack, eval_input_size, device)
     return TrainTrialSetup(step, reset, tuple(input_size), _describe_trial(args, stack, input_size, compile_mode),
-                           device, _eval_step(args, stack, step, eval_input_size, device), eval_input_size)
+                           device, _eval_step(stack, step, forward), eval_input_size, forward,
+                           args.validation_batch_size, None, max(1, args.world_size), step)
 
 
 def _train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
@@ -173,15 +238,13 @@ def _train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
     return step
 
 
-def _eval_step(args: argparse.Namespace, stack: TrainingStack, train_step: Callable[[int], None],
-               eval_input_size: Tuple[int, ...], device: torch.device) -> Callable[[int], None]:
+def _eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_input_size: Tuple[int, ...],
+                  device: torch.device) -> Callable[[int], None]:
     """One evaluation forward of random inputs at a batch size, as train.py evaluates between epochs."""
-    eval_model, model_dtype, optimizer = stack.task.get_eval_model(), stack.model_dtype, stack.optimizer
+    eval_model, model_dtype = stack.task.get_eval_model(), stack.model_dtype
     prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
 
-    def eval_step(batch_size: int) -> None:
-        if not optimizer.state:  # train.py evaluates with the optimizer state allocated: a tiny update makes it
-            train_step(2)  # (batch norm needs 2 samples)
+    def forward(batch_size: int) -> None:
         shape = (batch_size,) + eval_input_size
         held = [torch.randn(shape, device=device, dtype=model_dtype) for _ in range(prefetched)]
         input = torch.randn(shape, device=device, dtype=model_dtype)
@@ -194,6 +257,19 @@ def _eval_step(args: argparse.Namespace, stack: TrainingStack, train_step: Calla
         finally:
             eval_model.train()
         del input, held
+
+    return forward
+
+
+def _eval_step(stack: TrainingStack, train_step: Callable[[int], None],
+               forward: Callable[[int], None]) -> Callable[[int], None]:
+    """The eval-batch probe's step: `forward` with the optimizer state allocated, as when train.py evaluates."""
+    optimizer = stack.optimizer
+
+    def eval_step(batch_size: int) -> None:
+        if not optimizer.state:  # train.py evaluates with the optimizer state allocated: a tiny update makes it
+            train_step(2)  # (batch norm needs 2 samples)
+        forward(batch_size)
 
     return eval_step
 
@@ -290,7 +366,7 @@ def probe_train_batch(
     with memory_cap(device, budget_bytes) as cap:
         trial: TrialFn = measured_trial(
             setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
-            capped=True, before=setup.reset, isolate=isolate)
+            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup)
         trial = agree_across_ranks(trial)
         # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
         accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)

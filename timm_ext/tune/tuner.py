@@ -262,6 +262,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     grid = default_grid(device.type, args.batch_multiple)
     setup = build_train_trial(args, device)
     dataset_train, dataset_eval = build_datasets(args, 'RGB' if setup.input_size[0] == 3 else 'L')
+    setup.eval_samples = len(dataset_eval) if dataset_eval is not None else 0  # trials run train.py's eval shapes
     train_samples = len(dataset_train)
     max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
     if max_batch < 1:
@@ -292,7 +293,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     if 'validation_batch_size' in given:
         tuned.eval_lines = [f'Eval batch: --validation-batch-size {args.validation_batch_size} as given; not probed.']
     elif dataset_eval is not None:
-        eval_request = dataclasses.replace(request, setup=setup.eval_trials(), phase='eval',
+        eval_request = dataclasses.replace(request, setup=setup.eval_trials(tuned.plan.micro_batch), phase='eval',
                                            trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
@@ -308,8 +309,9 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
 
     def probe_at(input_size: Tuple[int, int, int], start: int, limit: int) -> ProbeOutcome:
         # the run's own setup where it already trains at this size; else one for this size, released after
-        setup = (request.setup if tuple(input_size) == largest else
-                 build_train_trial(size_trial_args(args, input_size), request.device))
+        setup = (request.setup if tuple(input_size) == largest else dataclasses.replace(
+                 build_train_trial(size_trial_args(args, input_size), request.device),
+                 eval_samples=request.setup.eval_samples))
         label = 'x'.join(map(str, input_size[1:]))
         return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json').run('max', limit, start)
 
