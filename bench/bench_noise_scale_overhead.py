@@ -12,7 +12,6 @@ next to it.
     python bench/bench_noise_scale_overhead.py --model test_vit --img-size 32 -b 16
     python bench/bench_noise_scale_overhead.py --device cuda --model resnet50 --img-size 224 -b 64
 """
-import logging
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
+from common import loop_bench_parser, start_loop_bench, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
 
 ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'oom_recover': True}}
 
@@ -34,11 +33,7 @@ ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'
 def main() -> None:
     parser = loop_bench_parser(__doc__.split('\n\n')[0], batches=16, accum=4, repeats=11,
                                output=str(REPO / 'bench' / 'results' / 'noise_scale_overhead.json'))
-    args = parser.parse_args()
-
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)  # the loop's log lines are not part of the measurement
-    device = torch.device(args.device)
+    args, device = start_loop_bench(parser)
     batches = synthetic_batches(args, device)
 
     def make_loop(flags) -> TrainLoop:

@@ -11,7 +11,6 @@ drift of the machine hits both; the median of the back-to-back pair ratios is re
     python bench/bench_train_overhead.py --accum 4 --repeats 9
     python bench/bench_train_overhead.py --device cuda --model resnet50 --img-size 224 -b 64
 """
-import logging
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
+from common import loop_bench_parser, start_loop_bench, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
 
 
 def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
@@ -43,11 +42,7 @@ def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
 def main() -> None:
     parser = loop_bench_parser(__doc__.split('\n\n')[0], batches=8, accum=1, repeats=15,
                                output=str(REPO / 'bench' / 'results' / 'train_overhead.json'))
-    args = parser.parse_args()
-
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)  # the loop's log lines are not part of the measurement
-    device = torch.device(args.device)
+    args, device = start_loop_bench(parser)
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=10).to(device)
     criterion = nn.CrossEntropyLoss()

@@ -1,6 +1,7 @@
 """What the loop benchmarks share: their command line, device sync, and the synthetic batches they train on."""
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,6 +25,14 @@ def loop_bench_parser(description: str, batches: int, accum: int, repeats: int, 
     parser.add_argument('--threads', type=int, default=1, help='torch intra-op threads on CPU')
     parser.add_argument('--output', default=output)
     return parser
+
+
+def start_loop_bench(parser: argparse.ArgumentParser) -> Tuple[argparse.Namespace, torch.device]:
+    """Parse a loop benchmark's options, set its threads and quiet the loop's log lines (not part of the measure)."""
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    return args, torch.device(args.device)
 
 
 def sync(device: torch.device) -> None:
