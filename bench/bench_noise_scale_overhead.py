@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, start_loop_bench, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
+from common import (  # noqa: E402  (bench/common.py)
+    loop_bench_parser, start_loop_bench, synthetic_batches, timed_epoch, write_result,
+)
 
 ARMS = {'plain': {}, 'noise_scale': {'log_noise_scale': True}, 'oom_recover': {'oom_recover': True}}
 

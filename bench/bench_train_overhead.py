@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
 from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
-from common import loop_bench_parser, start_loop_bench, sync, synthetic_batches, write_result  # noqa: E402  (bench/common.py)
+from common import (  # noqa: E402  (bench/common.py)
+    loop_bench_parser, start_loop_bench, sync, synthetic_batches, write_result,
+)
 
 
 def reference_epoch(model, optimizer, criterion, batches, accum: int) -> None:
