@@ -367,7 +367,9 @@ def test_measured_trial_real_oom_under_cap(isolate):
     assert min(t['batch_size'] for t in ooms) == out['chosen'] + 4  # the next multiple of 4 failed
     fits = [t for t in out['trials'] if t['status'] == 'fit']
     for t in fits:  # the measured peak is what the cap counts: about 1 MiB a sample, never over the budget
-        assert t['batch_size'] << 20 <= t['peak_bytes'] <= 64 << 20
+        # CPU peaks are sampled: on loaded cores the sampler can run after part of a step's memory is already freed
+        # (seen: 3.85 MiB for 4 MiB), which the probe's headroom covers; a tenth lower is still the same measurement
+        assert 0.9 * (t['batch_size'] << 20) <= t['peak_bytes'] <= 64 << 20
 
 
 TRAIN_PROBE = '''
