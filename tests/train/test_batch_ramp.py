@@ -3,6 +3,8 @@ import csv
 import io
 import logging
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -357,6 +359,28 @@ def test_run_grows_the_micro_batch_and_a_resume_rebuilds_its_loader(tmp_path):
     assert 'continuing the checkpoint\'s 8 x 1 rank x 2 accum' in log
     assert 'Resuming epoch 1 at update 5/6: skipping 10 batches' in log
     _check_resumed(tmp_path / 'inside', rows, inside=True)
+
+
+# the same run on 2 gloo ranks without accumulation (B_simple from one rank's batch against all ranks'): every rank
+# must take the same decision from the estimate averaged over ranks, or the next epoch's collectives would not match
+DDP_RUN = tuple('1' if prev == '--grad-accum-steps' else a for prev, a in zip(('',) + RAMP_RUN, RAMP_RUN))
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo ranks under torchrun')
+def test_ranks_take_the_same_decisions_under_ddp(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=32)
+    result = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+         str(REPO_ROOT / 'train.py'), '--data-dir', str(data), '--output', str(tmp_path), '--experiment', 'ddp',
+         *DDP_RUN], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'})
+    assert result.returncode == 0, result.stderr[-3000:]
+    changes = [line for line in result.stderr.splitlines() if 'Batch ramp before epoch' in line]
+    assert len(changes) == 2 and 'accumulation 1 -> 2' in changes[0] and 'accumulation 2 -> 4' in changes[1]
+    run = tmp_path / 'ddp'
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8', '16', '32']  # 4 x 2 ranks x accum
+    state = load_training_checkpoint(run / 'last.pth.tar')['batch_ramp']
+    assert state['accum_steps'] == 4 and [c['new_accum'] for c in state['history']] == [2, 4]
 
 
 @pytest.mark.parametrize('flags,words', [
