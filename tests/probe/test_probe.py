@@ -98,6 +98,19 @@ def test_nothing_fits():
         select_batch_size(trials, context='budget 1 MiB')
 
 
+def test_batch_one_that_cannot_train_after_two_ran_out_is_nothing_fits_not_a_model_error():
+    refused = 'ValueError: Expected more than 1 value per channel when training'
+    trials = [Trial(4, 'oom', error='out of memory'), Trial(2, 'oom', error='out of memory'),
+              Trial(1, 'error', error=refused)]
+    with pytest.raises(NothingFitsError, match='batch 2 did not fit and batch 1 cannot train') as info:
+        select_batch_size(trials)
+    assert refused in str(info.value)
+    # an error at a size that is not the last resort stays what it is
+    with pytest.raises(TrialError, match='not out-of-memory'):
+        select_batch_size([Trial(8, 'oom', error='out of memory'), Trial(4, 'error', error='RuntimeError: shape')])
+
+
+
 def test_headroom_moves_the_boundary_to_the_measured_peak():
     budget = 1000
     trial = Boundary(10_000, per_sample=10)  # the cap is far away; the headroom decides

@@ -524,6 +524,11 @@ def select_batch_size(trials: Sequence[Trial], select: str = 'max', throughput_t
         raise ValueError(f'throughput tolerance must be a fraction in [0, 1), got {throughput_tol}')
     where = f' ({context})' if context else ''
     failed = [t for t in trials if t.status == ERROR]
+    if failed and {t.batch_size for t in failed} == {1} and not any(t.accepted for t in trials):
+        # the search only goes down to 1 when 2 did not fit; a model that cannot train on one sample (BatchNorm in
+        # training mode refuses it) has then nothing that fits, which is what the user must hear, not a model error
+        raise NothingFitsError(f'nothing fits{where}: batch 2 did not fit and batch 1 cannot train '
+                               f'({failed[-1].error})', trials)
     if failed:
         t = failed[-1]
         raise TrialError(f'batch {t.batch_size} failed with an error that is not out-of-memory{where}: {t.error}; '
