@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from timm_ext import memory as memory_module
 from timm_ext.memory import BudgetError, MemoryBudget, PeakMeter, format_bytes, parse_budget, physical_memory
 
 from conftest import REPO_ROOT
@@ -145,6 +146,7 @@ def busy_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d: 'Test GPU')
     monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda d: (30 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, 'memory_reserved', lambda d: 10 * GIB)
+    monkeypatch.setattr(memory_module, '_OVER_AVAILABLE_WARNED', set())  # a fresh process's warnings
 
 
 def test_cuda_fraction_is_of_what_the_device_can_still_give(busy_gpu):
@@ -157,6 +159,9 @@ def test_cuda_size_above_what_is_free_warns_and_above_the_device_fails(busy_gpu,
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and '50.00 GiB' in warnings[0] and '40.00 GiB' in warnings[0]
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger='timm_ext.memory'):  # tune_batch resolves it for every probe
+        assert MemoryBudget(num_bytes=50 * GIB).resolve(CUDA1) == 50 * GIB
+    assert not caplog.records, 'the same budget on the same device is warned about once'
     with caplog.at_level(logging.WARNING, logger='timm_ext.memory'):
         MemoryBudget(num_bytes=40 * GIB).resolve(CUDA1)
     assert not caplog.records

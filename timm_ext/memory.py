@@ -75,6 +75,9 @@ def format_bytes(num_bytes: Optional[float]) -> str:
     return f'{value:.2f} TiB'
 
 
+_OVER_AVAILABLE_WARNED: set = set()  # (budget bytes, device) pairs whose over-budget warning was given
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """A budget as the user wrote it: an absolute size in bytes, or a fraction of the device's memory.
@@ -100,7 +103,9 @@ class MemoryBudget:
             raise BudgetError(f'memory budget {format_bytes(self.num_bytes)} is larger than the {what} of '
                               f'{device_name(device)}: {format_bytes(total)}; pass a smaller --mem-budget '
                               f'or a fraction such as 0.8')
-        if self.num_bytes > available:
+        warned = (self.num_bytes, device_name(device))
+        if self.num_bytes > available and warned not in _OVER_AVAILABLE_WARNED:
+            _OVER_AVAILABLE_WARNED.add(warned)  # once a process: tune_batch resolves it for every probe it runs
             _logger.warning(f'Memory budget {format_bytes(self.num_bytes)} is more than {device_name(device)} can '
                             f'give this process now ({format_bytes(available)}: free plus what it holds; the CUDA '
                             f'context, NCCL and other processes take the rest): trials near the budget fail outside '
