@@ -1,7 +1,6 @@
 """The layout rules of the library, checked on the code itself: layers import downwards only, and nothing grows past
 the size a reader can hold (a function of ~80 lines, a class of ~250)."""
 import ast
-from pathlib import Path
 
 import pytest
 
