@@ -178,6 +178,8 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     if tuned.size_batches is not None:
         values['train_batch_sizes'] = tuned.size_batches
     extras = extension_flags(train_args, parser, extension_dests)
+    if tuned.ramp_max_micro is not None:
+        extras += ['--batch-ramp-max-micro', str(tuned.ramp_max_micro)]
     topology = current_topology() if args.distributed else None  # the launch training must repeat
     command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras, topology)
     report = report_lines(tuned, args, extras)

@@ -62,6 +62,15 @@ def test_plan_inexact_global_batch_lr_from_base_follows_real_global():
     assert 'instead of 97' in plan.lr_reason
 
 
+def test_plan_keeps_two_batch_sizes_per_update_for_the_noise_scale_on_one_process():
+    args = train_namespace('--log-noise-scale')
+    plan = plan_run(args, max_micro_batch=20, world_size=1, target_global=16)
+    assert (plan.micro_batch, plan.accum_steps) == (8, 2) and '--log-noise-scale' in plan.reason
+    two_ranks = plan_run(args, max_micro_batch=20, world_size=2, target_global=16)  # rank vs ranks: no accumulation
+    assert (two_ranks.micro_batch, two_ranks.accum_steps) == (8, 1)
+    assert plan_run(train_namespace(), max_micro_batch=20, world_size=1, target_global=16).accum_steps == 1
+
+
 def test_plan_without_target_keeps_accumulation():
     args = train_namespace('--grad-accum-steps', '3')
     plan = plan_run(args, max_micro_batch=40, world_size=2)
@@ -386,3 +395,25 @@ def test_mixup_runs_get_an_even_micro_batch_from_the_planner():
     plan = plan_run(args, max_micro_batch=15, world_size=1)
     assert plan.micro_batch == 14 and 'even' in plan.reason
     assert plan_run(args, max_micro_batch=15, world_size=1, target_global=18).micro_batch % 2 == 0
+
+
+def test_batch_ramp_gets_the_largest_micro_batch_that_fits(tmp_path, image_folder):
+    ramp = ['--batch-ramp', '--log-noise-scale', '-b', '4', '--grad-accum-steps', '2', '--dry-run']
+    result = tune(tmp_path, image_folder, *BUDGET, *ramp, '--tuned-config', tmp_path / 'ramp.yaml')
+    assert result.returncode == 0, result.stderr[-3000:]
+    command = next(line for line in result.stdout.splitlines() if line.startswith('Train command:')).split()
+    limit = int(command[command.index('--batch-ramp-max-micro') + 1])
+    fits = [int(line.split()[1].rstrip(':')) for line in trial_lines(result.stdout)
+            if ' fit ' in line and 'over headroom' not in line]
+    assert limit > 4 and limit == max(fits), 'the largest probed micro-batch that fits is what the ramp may grow to'
+    assert f'passed as --batch-ramp-max-micro {limit}' in result.stdout
+    values = yaml.safe_load((tmp_path / 'ramp.yaml').read_text())  # one process: B_simple needs 2+ accumulation steps
+    assert values['batch_size'] * values['grad_accum_steps'] == 8 and values['grad_accum_steps'] >= 2
+    assert 'needs two batch sizes in every update' in result.stdout
+    assert 'batch_ramp' not in yaml.safe_load((tmp_path / 'ramp.yaml').read_text()), 'extension keys stay off the YAML'
+
+    given = tune(tmp_path, image_folder, *BUDGET, *ramp, '--batch-ramp-max-micro', '6', '--tuned-config',
+                 tmp_path / 'given.yaml')
+    assert given.returncode == 0, given.stderr[-3000:]
+    command = next(line for line in given.stdout.splitlines() if line.startswith('Train command:')).split()
+    assert command.count('--batch-ramp-max-micro') == 1 and command[command.index('--batch-ramp-max-micro') + 1] == '6'

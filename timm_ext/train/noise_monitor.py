@@ -19,9 +19,16 @@ from ..atomic_files import atomic_text
 from ..distributed import reduce_mean
 from .noise_scale import NoiseScaleEstimator, grads_of, squared_norm, two_batch_estimates
 
-__all__ = ['NoiseScaleMonitor', 'NoiseScaleSummary', 'write_noise_scale_row', 'noise_scale_problem', 'CSV_FIELDS']
+__all__ = ['NoiseScaleMonitor', 'NoiseScaleSummary', 'write_noise_scale_row', 'min_accum_steps', 'noise_scale_problem',
+           'CSV_FIELDS']
 
 CSV_FIELDS = ('epoch', 'b_simple', 'grad_sq', 'trace_sigma', 'pairs', 'global_batch')
+
+
+def min_accum_steps(log_noise_scale: bool, world_size: int) -> int:
+    """The fewest accumulation steps a plan may give the run: 2 for ``--log-noise-scale`` on one process, which
+    needs two batch sizes in each update (`noise_scale_problem`), else 1."""
+    return 2 if log_noise_scale and world_size < 2 else 1
 
 
 def noise_scale_problem(accum_steps: int, world_size: int, loss_weighting: str) -> Optional[str]:

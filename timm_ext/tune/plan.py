@@ -16,6 +16,7 @@ import yaml
 from ..accum import plan_accumulation
 from ..launch import Topology
 from ..lr import default_lr_scale, rescale_lr, resolve_lr
+from ..train.noise_monitor import min_accum_steps
 from ..train.setup import batch_multiple
 
 __all__ = [
@@ -68,8 +69,12 @@ def plan_run(args: argparse.Namespace, max_micro_batch: int, world_size: int,
     scale = args.lr_base_scale or default_lr_scale(args.opt)
     multiple = batch_multiple(args)
     if target_global is not None:
+        min_steps = min_accum_steps(args.log_noise_scale, world_size)
+        max_micro_batch = min(max_micro_batch, max(multiple, target_global // (world_size * min_steps)))
         accum = plan_accumulation(target_global, world_size, max_micro_batch, multiple)
         micro, steps, exact, reason = accum.micro_batch, accum.accum_steps, accum.exact, accum.reason
+        if min_steps > 1:
+            reason += f' (--log-noise-scale on one process needs {min_steps}+ accumulation steps)'
     else:
         micro, steps, exact = max(multiple, max_micro_batch - max_micro_batch % multiple), args.grad_accum_steps, None
         reason = f'no --target-global-batch: the selected micro-batch, with --grad-accum-steps {steps} as given'

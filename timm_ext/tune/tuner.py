@@ -40,7 +40,8 @@ from .plan import RunPlan, plan_global_batch, plan_run
 
 __all__ = [
     'ProbeRequest', 'TunedRun', 'default_config_path', 'probe_or_reuse', 'recipe_global_batch', 'choose_by_time',
-    'time_bigger_batches', 'plan_tuned_run', 'tune_schedule', 'plan_eval_batch', 'worth_a_plot', 'report_lines',
+    'time_bigger_batches', 'plan_tuned_run', 'ramp_micro_limit', 'tune_schedule', 'plan_eval_batch', 'worth_a_plot',
+    'report_lines',
 ]
 
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
@@ -158,6 +159,7 @@ class TunedRun:
     eval_lines: List[str] = field(default_factory=list)
     sizes: List[SizeResult] = field(default_factory=list)  # a --train-img-sizes schedule's probes, one per size
     size_batches: Optional[List[int]] = None  # the train_batch_sizes the run trains at
+    ramp_max_micro: Optional[int] = None  # --batch-ramp: the largest micro-batch that fits, for the ramp to grow to
 
 
 def recipe_global_batch(args: argparse.Namespace, given: Set[str], world_size: int) -> Tuple[int, str]:
@@ -185,8 +187,12 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     if one_batch:
         how = f'fits as one batch of {plan.micro_batch} per rank: one trial, nothing to search for it.'
     else:
-        why = (f'the training split holds only {max_batch} samples per rank' if max_batch < needed else
-               f'a batch of {needed} per rank does not fit')
+        if max_batch < needed:
+            why = f'the training split holds only {max_batch} samples per rank'
+        elif outcome.selection.batch_size >= needed:
+            why = '--log-noise-scale on one process needs two batch sizes in every update'
+        else:
+            why = f'a batch of {needed} per rank does not fit'
         how = f'is built from micro-batches of {plan.micro_batch} x {plan.accum_steps} accumulation: {why}.'
     lines = [f'The recipe\'s global batch {recipe_global} ({who}) {how}']
     if args.select == 'auto' and set_by:
@@ -287,6 +293,9 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         tuned.lines.append(f'--train-img-sizes: the recipe\'s batch ({set_by}) trains at every size, as in stock '
                            f'timm; probed at the largest size, {tuned.outcome.describe}.')
         tuned.lines += shape_cache_note(device)
+    if args.batch_ramp and 'batch_ramp_max_micro' not in given and tuned.size_batches is None:
+        tuned.ramp_max_micro, line = ramp_micro_limit(request, tuned.plan.micro_batch, max_batch)
+        tuned.lines.append(line)
     epochs = tuned.schedule.get('epochs', args.epochs)
     updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
     tuned.lines += [f'Warning: {w}.' for w in batch_warnings(tuned.plan.global_batch, updates, tuned.noise)]
@@ -298,6 +307,24 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
     return tuned
+
+
+def ramp_micro_limit(request: ProbeRequest, micro_batch: int, max_batch: int) -> Tuple[Optional[int], str]:
+    """--batch-ramp: the largest micro-batch that fits (`--batch-ramp-max-micro`), so the ramp can grow the micro-batch,
+    faster per sample, before the accumulation; probed upwards from the run's micro-batch, which fits.
+
+    Returns:
+        (the limit, or None when nothing bigger than the run's micro-batch fits; the report line)
+    """
+    if micro_batch >= max_batch:
+        return None, (f'--batch-ramp: the micro-batch {micro_batch} is already the split per rank; the ramp grows '
+                      f'the accumulation only.')
+    largest = request.run('max', max_batch, start=micro_batch).selection.batch_size
+    if largest <= micro_batch:
+        return None, (f'--batch-ramp: nothing above the micro-batch {micro_batch} fits; the ramp grows the '
+                      f'accumulation only.')
+    return largest, (f'--batch-ramp: micro-batches up to {largest} fit, passed as --batch-ramp-max-micro {largest}: '
+                     f'the ramp grows the micro-batch to it before the accumulation.')
 
 
 def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[str]) -> TunedRun:
