@@ -53,7 +53,9 @@ from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, giv
 from timm_ext.train.setup import check_arg_combinations, check_inputs
 from timm_ext.tune.handover import exec_training
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
-from timm_ext.tune.plan import config_values, extension_flags, shell_line, train_command, tuned_config_text
+from timm_ext.tune.plan import (
+    TRAIN_WITH, config_values, extension_flags, planned_command, shell_line, train_command, tuned_config_text,
+)
 from timm_ext.tune.plot import write_probe_plot
 from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, worth_a_plot
 
@@ -155,8 +157,11 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
     rc = subprocess.call(probe_cmd, preexec_fn=functools.partial(die_with_parent, os.getpid()))
     if rc != 0 or args.dry_run:
         return rc
-    command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc, extension_flags(
-        args, parser, group_dests(parser, EXTENSIONS_GROUP)))
+    with open(config_path) as f:  # the command rank 0 planned, with the flags it added from what it measured
+        command = planned_command(f.read())
+    if command is None:
+        extras = extension_flags(args, parser, group_dests(parser, EXTENSIONS_GROUP))
+        command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc, extras)
     return exec_training(command)  # the probe ranks have exited; this process becomes the launcher
 
 
@@ -193,7 +198,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
             tables += ['Eval trials:', format_table(tuned.eval_outcome.trials, tuned.eval_outcome.budget), '']
         print('\n'.join(tables + report))
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
-        atomic_text(tuned_config_text(values, report + ['', 'Train with: ' + shell_line(command)]), config_path)
+        atomic_text(tuned_config_text(values, report + ['', TRAIN_WITH + shell_line(command)]), config_path)
         print(f'Config: {config_path}')
         if worth_a_plot(tuned):
             plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,

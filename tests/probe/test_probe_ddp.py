@@ -6,8 +6,10 @@ import shlex
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from torch.distributed.run import get_args_parser
 
 from conftest import REPO_ROOT, run_script
@@ -104,3 +106,24 @@ def test_tune_batch_under_a_two_node_torchrun_prints_the_two_node_train_command(
     assert parsed.training_script == str(REPO_ROOT / 'train.py')
     assert parsed.training_script_args == ['-c', str(config)]
     assert f'Train with: {commands[0]}' in config.read_text()
+
+
+def test_tune_batch_nproc_trains_with_the_command_its_ranks_planned(tmp_path, image_folder):
+    # no --dry-run: the probe ranks exit, and this process becomes distributed_train.sh with the command rank 0
+    # wrote into the config's header, --batch-ramp-max-micro (measured by the ranks) included
+    config = tmp_path / 'tuned.yaml'
+    result = run_script('tune_batch.py', '--data-dir', image_folder, '--model', 'test_resnet', '--device', 'cpu',
+                        '--num-classes', '3', '--img-size', '32', '-j', '0', '--mem-budget', '48MiB', '--nproc', '2',
+                        '-b', '2', '--epochs', '2', '--log-noise-scale', '--batch-ramp', '--val-split', '',
+                        '--tuned-config', config, '--output', tmp_path / 'out', cwd=tmp_path,
+                        env={'TIMM_EXT_CACHE_DIR': str(tmp_path / 'cache'),  # distributed_train.sh runs torchrun
+                             'PATH': f'{Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}'})
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = [line for line in config.read_text().splitlines() if line.startswith('# Train with: ')]
+    assert len(header) == 1 and '--batch-ramp-max-micro' in header[0] and 'distributed_train.sh 2 -c' in header[0]
+    runs = list((tmp_path / 'out').iterdir())
+    assert len(runs) == 1 and (runs[0] / 'noise_scale.csv').exists() and (runs[0] / 'last.pth.tar').exists()
+    planned = shlex.split(header[0][len('# Train with: '):])
+    limit = int(planned[planned.index('--batch-ramp-max-micro') + 1])
+    assert yaml.safe_load((runs[0] / 'args.yaml').read_text())['batch_ramp_max_micro'] == limit  # what it trained with
+    assert 'Distributed training: process 0 of 2' in result.stderr

@@ -21,7 +21,7 @@ from ..train.setup import batch_multiple
 
 __all__ = [
     'RunPlan', 'plan_run', 'plan_global_batch', 'config_values', 'tuned_config_text', 'extension_flags',
-    'train_command',
+    'train_command', 'shell_line', 'TRAIN_WITH', 'planned_command',
 ]
 
 
@@ -179,3 +179,18 @@ def train_command(python: str, script_dir: str, config_path: str, nproc: int, ex
 
 def shell_line(command: Sequence[str]) -> str:
     return shlex.join(command)
+
+
+TRAIN_WITH = 'Train with: '  # the tuned config's header line that records the train command
+
+
+def planned_command(config_text: str) -> Optional[List[str]]:
+    """The train command a tuned config's header records (`tuned_config_text` with a `TRAIN_WITH` line), or None.
+
+    tune_batch.py --nproc N reads it back once its probe ranks have exited: flags they added from what they measured
+    (--batch-ramp-max-micro) are on it, and on nothing the parent process parsed.
+    """
+    for line in config_text.splitlines():
+        if line.startswith(f'# {TRAIN_WITH}'):
+            return shlex.split(line[len(f'# {TRAIN_WITH}'):])
+    return None
