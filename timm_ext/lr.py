@@ -6,9 +6,9 @@ is decided from the optimizer name (`ada` or `lamb` in it means sqrt) when `--lr
 that rule exactly, so a run's LR is the one stock timm would pick, and add a hint when the name rule looks wrong.
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ['LrChoice', 'LR_SCALES', 'default_lr_scale', 'adaptive_hint', 'resolve_lr', 'rescale_lr']
+__all__ = ['LrChoice', 'LR_SCALES', 'default_lr_scale', 'adaptive_hint', 'resolve_lr', 'rescale_lr', 'scale_group_lrs']
 
 LR_SCALES = ('linear', 'sqrt')
 
@@ -121,3 +121,13 @@ def rescale_lr(lr: float, old_global: float, new_global: float, scale: str) -> f
         raise ValueError(f"scale must be one of 'linear', 'sqrt', got {scale!r}")
     ratio = new_global / old_global
     return lr * (ratio ** 0.5 if scale == 'sqrt' else ratio)
+
+
+def scale_group_lrs(optimizer: Any, factor: float) -> None:
+    """Multiply every param group's LR and its scheduler base (``initial_lr``) by `factor` (an optimizer's groups)."""
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        for key in ('lr', 'initial_lr'):
+            if key in group:
+                group[key] *= factor

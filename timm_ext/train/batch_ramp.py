@@ -34,9 +34,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..accum import accumulation_windows, plan_accumulation
-from ..lr import default_lr_scale, rescale_lr
+from ..lr import default_lr_scale, rescale_lr, scale_group_lrs
 from .elastic import BatchLayout
-from .noise_monitor import noise_scale_problem
+from .noise_monitor import min_accum_steps
 from .setup import batch_multiple, build_train_loader, with_values
 
 __all__ = ['RAMP_FACTOR', 'MAX_GROWTH', 'RampChange', 'RampState', 'ramp_cap', 'plan_ramp', 'split_global',
@@ -140,12 +140,6 @@ def plan_ramp(b_simple: float, layout: BatchLayout, factor: float, cap: int) -> 
     return accum if accum > layout.accum_steps else None
 
 
-def noise_min_accum(world_size: int) -> int:
-    """The least accumulation at which --log-noise-scale still measures B_simple: 1 on 2+ ranks, else 2 (one rank
-    needs two batch sizes in a window; the rule is `noise_scale_problem`'s)."""
-    return 2 if noise_scale_problem(1, world_size, 'samples') else 1
-
-
 def split_global(target_global: int, layout: BatchLayout, max_micro: Optional[int],
                  multiple: int = 1) -> Tuple[int, int]:
     """(micro-batch, accumulation) for a global batch the ramp grew to: the biggest micro-batch first.
@@ -153,7 +147,7 @@ def split_global(target_global: int, layout: BatchLayout, max_micro: Optional[in
     A bigger micro-batch is faster per sample on a GPU; more accumulation only saves optimizer steps. The split is
     exact (the global batch is the rule's, so the LR moves by the rule), the micro-batch never shrinks below
     `layout`'s nor passes `max_micro`, stays a multiple of `multiple` (2 under mixup), and the accumulation keeps
-    what the noise-scale estimate needs (`noise_min_accum`), else the ramp would stop measuring.
+    what the noise-scale estimate needs (`min_accum_steps`), else the ramp would stop measuring.
 
     Args:
         target_global: The new global batch, a multiple of ``layout.micro_batch x layout.world_size``.
@@ -162,7 +156,7 @@ def split_global(target_global: int, layout: BatchLayout, max_micro: Optional[in
         multiple: What every micro-batch must be a multiple of (`timm_ext.train.setup.batch_multiple`).
     """
     world_size, micro = layout.world_size, layout.micro_batch
-    limit = min(max_micro or 0, target_global // (world_size * noise_min_accum(world_size)))
+    limit = min(max_micro or 0, target_global // (world_size * min_accum_steps(True, world_size)))
     if limit > micro:
         plan = plan_accumulation(target_global, world_size, limit, multiple)
         if plan.exact and plan.micro_batch > micro:
@@ -429,10 +423,7 @@ class BatchRamp:
     def _scale_lr(self, factor: float, epoch: Optional[int] = None) -> None:
         """Multiply the LR: the optimizer's groups, the scheduler's bases (and warm-up slopes), then, at `epoch`,
         set the LR the rescaled schedule gives where it stands."""
-        for group in self.optimizer.param_groups:
-            for key in ('lr', 'initial_lr'):
-                if key in group:
-                    group[key] *= factor
+        scale_group_lrs(self.optimizer, factor)
         inner = self.inner
         if inner is None:
             return

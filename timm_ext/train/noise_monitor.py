@@ -28,7 +28,7 @@ CSV_FIELDS = ('epoch', 'b_simple', 'grad_sq', 'trace_sigma', 'pairs', 'global_ba
 def min_accum_steps(log_noise_scale: bool, world_size: int) -> int:
     """The fewest accumulation steps a plan may give the run: 2 for ``--log-noise-scale`` on one process, which
     needs two batch sizes in each update (`noise_scale_problem`), else 1."""
-    return 2 if log_noise_scale and world_size < 2 else 1
+    return 2 if log_noise_scale and noise_scale_problem(1, world_size, 'samples') else 1
 
 
 def noise_scale_problem(accum_steps: int, world_size: int, loss_weighting: str) -> Optional[str]:

@@ -28,7 +28,7 @@ from ..atomic_files import append_csv_row, atomic_text, remove_stale_tmp_files
 from ..cuda_backends import configure_cuda_backends
 from ..distributed import init_device
 from ..launch import current_topology
-from ..lr import default_lr_scale
+from ..lr import default_lr_scale, scale_group_lrs
 from ..memory import device_name
 from .args import args_to_yaml
 from .batch_ramp import BatchRamp, TrainLoaderRebuild
@@ -48,7 +48,7 @@ try:
 except ImportError:
     wandb = None
 
-__all__ = ['TrainingRun', 'replan_for_resume', 'resumed_lr', 'scale_group_lrs', 'summary_row', 'set_loader_epoch',
+__all__ = ['TrainingRun', 'replan_for_resume', 'resumed_lr', 'summary_row', 'set_loader_epoch',
            'drop_summary_rows']
 
 _logger = logging.getLogger('train')
@@ -329,16 +329,6 @@ def resumed_lr(args: argparse.Namespace, stack: TrainingStack, elastic: Optional
     lr = elastic_lr(elastic, checkpoint_lr, stack.lr, scale)
     scale_group_lrs(stack.optimizer, lr / (stack.lr if args.no_resume_opt else checkpoint_lr))
     return lr
-
-
-def scale_group_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:
-    """Scale every param group's LR and its scheduler base (initial_lr), before the scheduler is built."""
-    if factor == 1.0:
-        return
-    for group in optimizer.param_groups:
-        for key in ('lr', 'initial_lr'):
-            if key in group:
-                group[key] *= factor
 
 
 def log_elastic_resume(elastic: ElasticResume, resumed: Dict[str, Any], lr: float, start: ckpt.ResumePoint,
