@@ -52,8 +52,8 @@ from ..train.loop import LoopConfig, TrainLoop
 from ..train.setup import SetupError, mixup_active, with_values
 from ..train.stack import TrainingStack, build_training_stack
 
-__all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_input_size', 'ProbeOutcome', 'probe_train_batch',
-           'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'schedule_inputs', 'probe_input_size', 'ProbeOutcome',
+           'probe_train_batch', 'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
 
 _logger = logging.getLogger(__name__)
 
@@ -75,15 +75,20 @@ def probe_compile_mode(mode: Optional[str]) -> Optional[str]:
     return _CUDA_GRAPH_MODES.get(mode, mode)
 
 
+def schedule_inputs(args: argparse.Namespace, channels: int) -> List[Tuple[int, int, int]]:
+    """The (C, H, W) of each `--train-img-sizes` entry, in the schedule's order (none without a schedule)."""
+    inputs = []
+    for size in getattr(args, 'train_img_sizes', None) or ():
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        inputs.append((channels, int(height), int(width)))
+    return inputs
+
+
 def probe_input_size(args: argparse.Namespace, data_config: dict) -> Tuple[int, ...]:
     """The largest input (C, H, W) the run will train on: the model's / --input-size / --img-size, or the biggest
-    of a --train-img-sizes schedule."""
-    channels, height, width = data_config['input_size']
-    for size in getattr(args, 'train_img_sizes', None) or ():
-        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-        if h * w > height * width:
-            height, width = h, w
-    return channels, height, width
+    of a --train-img-sizes schedule (the first of equal ones)."""
+    model_input = tuple(data_config['input_size'])
+    return max([model_input, *schedule_inputs(args, model_input[0])], key=lambda size: size[1] * size[2])
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ..errors import UsageError
 from ..lr import resolve_lr
 from ..memory import format_bytes
 from ..probe.search import BatchGrid
-from ..probe.trial import ProbeOutcome
+from ..probe.trial import ProbeOutcome, schedule_inputs
 from .plan import RunPlan
 
 __all__ = [
@@ -66,15 +66,6 @@ def schedule_mode(args: argparse.Namespace, given: Set[str]) -> Optional[str]:
         raise UsageError(f'--select {args.select} chooses one batch for every size; with --train-img-sizes use '
                          f'--select auto or max (each size then gets the largest batch that fits)')
     return EQUALISE
-
-
-def schedule_inputs(args: argparse.Namespace, channels: int) -> List[Tuple[int, int, int]]:
-    """The (C, H, W) of each `--train-img-sizes` entry, in the schedule's order."""
-    inputs = []
-    for size in args.train_img_sizes:
-        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-        inputs.append((channels, int(height), int(width)))
-    return inputs
 
 
 def size_trial_args(args: argparse.Namespace, input_size: Sequence[int]) -> argparse.Namespace:
