@@ -1,6 +1,7 @@
 """tune_batch.py: accumulation/LR planning, the YAML read back by train.py, dry-run report, cache, failures, and a
 short real tune -> train -> validate run. Probes run under real RLIMIT_DATA caps in subprocesses."""
 import argparse
+import re
 import importlib.util
 import os
 import signal
@@ -417,3 +418,12 @@ def test_batch_ramp_gets_the_largest_micro_batch_that_fits(tmp_path, image_folde
     assert given.returncode == 0, given.stderr[-3000:]
     command = next(line for line in given.stdout.splitlines() if line.startswith('Train command:')).split()
     assert command.count('--batch-ramp-max-micro') == 1 and command[command.index('--batch-ramp-max-micro') + 1] == '6'
+
+
+def test_batch_ramp_under_select_max_reuses_its_probe(tmp_path, image_folder):
+    result = tune(tmp_path, image_folder, *BUDGET, '--batch-ramp', '--log-noise-scale', '--grad-accum-steps', '2',
+                  '--select', 'max', '--dry-run', '--tuned-config', tmp_path / 'max.yaml')
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = int(re.search(r'largest batch that fits within the headroom \((\d+) trials\)', result.stdout).group(1))
+    assert len(trial_lines(result.stdout)) == reported, 'the largest micro-batch is --select max\'s own: no probe more'
+    assert 'nothing above the micro-batch' in result.stdout and '--batch-ramp-max-micro' not in result.stdout

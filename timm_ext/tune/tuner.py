@@ -294,7 +294,8 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
                            f'timm; probed at the largest size, {tuned.outcome.describe}.')
         tuned.lines += shape_cache_note(device)
     if args.batch_ramp and 'batch_ramp_max_micro' not in given and tuned.size_batches is None:
-        tuned.ramp_max_micro, line = ramp_micro_limit(request, tuned.plan.micro_batch, max_batch)
+        probed_max = tuned.outcome.selection.batch_size if args.select == 'max' else None  # already the largest
+        tuned.ramp_max_micro, line = ramp_micro_limit(request, tuned.plan.micro_batch, max_batch, probed_max)
         tuned.lines.append(line)
     epochs = tuned.schedule.get('epochs', args.epochs)
     updates = epochs * updates_per_epoch(train_samples, tuned.plan.micro_batch, world_size, tuned.plan.accum_steps)
@@ -309,9 +310,11 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     return tuned
 
 
-def ramp_micro_limit(request: ProbeRequest, micro_batch: int, max_batch: int) -> Tuple[Optional[int], str]:
+def ramp_micro_limit(request: ProbeRequest, micro_batch: int, max_batch: int,
+                     largest: Optional[int] = None) -> Tuple[Optional[int], str]:
     """--batch-ramp: the largest micro-batch that fits (`--batch-ramp-max-micro`), so the ramp can grow the micro-batch,
-    faster per sample, before the accumulation; probed upwards from the run's micro-batch, which fits.
+    faster per sample, before the accumulation; probed upwards from the run's micro-batch, which fits, unless the
+    run's probe already found it (`largest`, --select max).
 
     Returns:
         (the limit, or None when nothing bigger than the run's micro-batch fits; the report line)
@@ -319,7 +322,8 @@ def ramp_micro_limit(request: ProbeRequest, micro_batch: int, max_batch: int) ->
     if micro_batch >= max_batch:
         return None, (f'--batch-ramp: the micro-batch {micro_batch} is already the split per rank; the ramp grows '
                       f'the accumulation only.')
-    largest = request.run('max', max_batch, start=micro_batch).selection.batch_size
+    if largest is None:
+        largest = request.run('max', max_batch, start=micro_batch).selection.batch_size
     if largest <= micro_batch:
         return None, (f'--batch-ramp: nothing above the micro-batch {micro_batch} fits; the ramp grows the '
                       f'accumulation only.')
