@@ -65,7 +65,7 @@ class TrainingRun:
     """
 
     def __init__(self, args: argparse.Namespace, args_text: str, given: AbstractSet[str] = frozenset()):
-        self.args = argparse.Namespace(**vars(args))
+        self.args = args  # replaced by init_device's copy in `build`, before anything is written into it
         self.args_text = args_text
         self.given = given
         self.output_dir: Optional[str] = None
@@ -89,10 +89,10 @@ class TrainingRun:
         args = self.args
         for module in args.device_modules or ():
             importlib.import_module(module)
-        args.prefetcher = not args.no_prefetcher
         self.resumed = ckpt.load_training_checkpoint(args.resume) if args.resume else None  # fail fast on a bad file
         self.args, self.device = init_device(args)
         args = self.args
+        args.prefetcher = not args.no_prefetcher
         configure_cuda_backends(self.device)
         self.primary = utils.is_primary(args)
         if args.distributed:

@@ -32,6 +32,7 @@ from ..lr import resolve_lr
 from ..memory import format_bytes
 from ..probe.search import BatchGrid
 from ..probe.trial import ProbeOutcome, schedule_inputs
+from ..train.setup import with_values
 from .plan import RunPlan
 
 __all__ = [
@@ -70,8 +71,7 @@ def schedule_mode(args: argparse.Namespace, given: Set[str]) -> Optional[str]:
 
 def size_trial_args(args: argparse.Namespace, input_size: Sequence[int]) -> argparse.Namespace:
     """A copy of train.py's arguments whose trial runs at `input_size` alone (the caller's namespace is untouched)."""
-    return argparse.Namespace(**{**vars(args), 'train_img_sizes': None, 'train_batch_sizes': None,
-                                 'input_size': list(input_size), 'img_size': None})
+    return with_values(args, train_img_sizes=None, train_batch_sizes=None, input_size=list(input_size), img_size=None)
 
 
 def scaled_start(found: int, found_pixels: int, pixels: int, grid: BatchGrid, max_batch: int) -> int:
