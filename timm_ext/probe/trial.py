@@ -52,7 +52,8 @@ from ..train.loop import LoopConfig, TrainLoop
 from ..train.setup import SetupError, mixup_active, with_values
 from ..train.stack import TrainingStack, build_training_stack
 
-__all__ = ['TrainTrialSetup', 'build_train_trial', 'schedule_inputs', 'probe_input_size', 'ProbeOutcome',
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'trial_loop', 'trial_train_step', 'schedule_inputs',
+           'probe_input_size', 'ProbeOutcome',
            'probe_train_batch', 'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
 
 _logger = logging.getLogger(__name__)
@@ -192,14 +193,9 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     # value of the LR does not change memory, but the optimizer factory needs one
     stack = build_training_stack(with_values(args, sync_bn=False), device, lr=args.lr or args.lr_base,
                                  with_data=False, compile_mode=compile_mode, ddp=False)
-    loop = TrainLoop(
-        stack.task, stack.optimizer,
-        LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
-                   channels_last=args.channels_last, model_dtype=stack.model_dtype, prefetcher=True),
-        amp_autocast=stack.amp.autocast,
-    )
+    loop = trial_loop(args, stack, device)
     input_size = probe_input_size(args, stack.data_config)
-    step = _train_step(args, stack, loop, input_size, device)
+    step = trial_train_step(args, stack, loop, input_size, device)
     eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
 
     def reset() -> None:
@@ -213,9 +209,20 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
                            args.validation_batch_size, None, max(1, args.world_size), step)
 
 
-def _train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
-                input_size: Tuple[int, ...], device: torch.device) -> Callable[[int], None]:
-    """One training update of random inputs at a batch size, holding what DDP would hold besides."""
+def trial_loop(args: argparse.Namespace, stack: TrainingStack, device: torch.device) -> TrainLoop:
+    """train.py's loop over `stack` as a trial runs it: one micro-batch an update, inputs already on the device."""
+    return TrainLoop(
+        stack.task, stack.optimizer,
+        LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
+                   channels_last=args.channels_last, model_dtype=stack.model_dtype, prefetcher=True),
+        amp_autocast=stack.amp.autocast,
+    )
+
+
+def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
+                     input_size: Tuple[int, ...], device: torch.device) -> Callable[[int], None]:
+    """One training update of random inputs at a batch size, holding what DDP would hold besides (the trial's step,
+    and the memory estimate's on fake tensors)."""
     task, model_dtype = stack.task, stack.model_dtype
     params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
     # DDP keeps its gradient buckets, about one more copy of the gradients, for the whole run

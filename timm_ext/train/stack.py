@@ -28,7 +28,7 @@ from .setup import (
     check_compile_backend, input_img_mode, resolve_args, resolve_model_dtype, with_values,
 )
 
-__all__ = ['DataStack', 'ResolvedArgs', 'TrainingStack', 'build_training_stack']
+__all__ = ['DataStack', 'ResolvedArgs', 'TrainingStack', 'build_optimizer', 'build_training_stack']
 
 _logger = logging.getLogger(__name__)
 
@@ -96,6 +96,12 @@ def _build_data(args: argparse.Namespace, data_config: dict, device: torch.devic
                      reference_batch)
 
 
+def build_optimizer(args: argparse.Namespace, task: Any, lr: float) -> torch.optim.Optimizer:
+    """The run's optimizer over the task's trainable module (timm's factory, --opt and its settings) at `lr`."""
+    return create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=with_values(args, lr=lr)),
+                               **args.opt_kwargs)
+
+
 def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: Optional[float] = None,
                          with_data: bool = True, with_eval: bool = True, ema: bool = True,
                          compile_mode: Optional[str] = None, compile_model: bool = True, ddp: bool = True,
@@ -144,8 +150,7 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
                 _logger.info(lr_choice.hint)
 
     task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
-    optimizer = create_optimizer_v2(task.get_trainable_module(), **optimizer_kwargs(cfg=with_values(args, lr=lr)),
-                                    **args.opt_kwargs)
+    optimizer = build_optimizer(args, task, lr)
     if verbose:
         _logger.info(f'Created {type(optimizer).__name__} ({args.opt}) optimizer, lr {lr:g}, '
                      f'weight decay {args.weight_decay:g}.')

@@ -1,0 +1,110 @@
+"""The memory estimate: train.py's step traced on fake tensors, fitted per category, against real CPU trials."""
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.models import register_model
+
+from timm_ext.memory import PeakMeter, data_and_stack
+from timm_ext.probe.device_memory import CPU_ESTIMATE_MARGIN
+from timm_ext.probe.estimate import TRACE_BATCHES, EstimateError, estimate_memory, in_child
+from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
+from timm_ext.probe.search import measured_trial
+from timm_ext.probe.trial import build_train_trial
+from timm_ext.train.args import parse_args
+
+CPU = torch.device('cpu')
+
+
+def run_args(*argv: str):
+    args, _ = parse_args(['--model', 'test_resnet', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+                          *argv])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    return args
+
+
+class _ReadsValues(nn.Module):
+    """A model whose forward reads a tensor's value, which fake tensors refuse."""
+
+    def __init__(self, num_classes: int = 3, **kwargs):
+        super().__init__()
+        self.num_classes = num_classes
+        self.fc = nn.Linear(3, num_classes)
+        self.default_cfg = self.pretrained_cfg = {'input_size': (3, 8, 8), 'num_classes': num_classes}
+
+    def forward(self, x):
+        scale = float(x.abs().max().item())  # data-dependent: a real value is needed
+        return self.fc(x.mean((2, 3)) / max(scale, 1.0))
+
+
+@register_model
+def estimate_test_reads_values(pretrained=False, **kwargs):
+    return _ReadsValues(**kwargs)
+
+
+def test_categories_add_up_to_the_traced_peak():
+    estimate = estimate_memory(run_args('--opt', 'adamw'), 'cpu')
+    assert sorted(estimate.traced) == sorted(TRACE_BATCHES)
+    for batch_size, split in estimate.traced.items():
+        assert set(split) == set(CATEGORIES)
+        fitted = sum(estimate.lines[name][0] + estimate.lines[name][1] * batch_size for name in CATEGORIES)
+        assert fitted == pytest.approx(sum(split.values()), rel=0.02)  # the lines are the traced peaks, fitted
+    split = estimate.traced[TRACE_BATCHES[-1]]
+    assert split['optimizer'] == pytest.approx(2 * split['weights'], rel=0.05)  # AdamW: two moments per weight
+    assert split['activations'] > 0 and estimate.lines['activations'][1] > 0  # activations grow with the batch
+
+
+def _known_step() -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        layer = nn.Linear(256, 128)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+        tracker = LiveBytes(layer.parameters(), [*layer.parameters()])
+        with tracker:
+            layer(torch.randn(64, 256)).sum().backward()
+            optimizer.step()
+        tracker.remove_hooks()
+    return dict(peak=dict(tracker.peak), live=dict(tracker.live), total=tracker.peak_total)  # copies: frees follow
+
+
+def test_the_tracker_counts_a_known_step_exactly():
+    counted = in_child(_known_step)  # a fake backward here would keep this process from forking CPU trials
+    weights = (256 * 128 + 128) * 4
+    assert counted['peak']['weights'] == weights
+    assert counted['live']['gradients'] == weights and counted['live']['optimizer'] == weights
+    assert counted['total'] >= weights * 2 + 64 * 256 * 4  # weights, gradients and the input at least
+
+
+@pytest.mark.parametrize('model', ['test_resnet', 'test_efficientnet', 'test_vit'])
+def test_a_measured_trial_is_not_predicted_below_its_peak_by_more_than_the_margin(model):
+    torch.backends.mkldnn.enabled = False
+    try:
+        args = run_args('--model', model, '--img-size', '64')
+        estimate = estimate_memory(args, 'cpu')  # this process must fork its trials: no autograd here
+        setup = build_train_trial(args, CPU)
+        trial = measured_trial(setup.step, CPU, PeakMeter(CPU, data_and_stack()), warmup_steps=1, timed_steps=1,
+                               before=setup.reset, isolate=True)
+        for batch_size in (16, 48):
+            measured = trial(batch_size)
+            assert measured.fits and measured.peak_bytes
+            assert estimate.peak(batch_size) >= (1 - CPU_ESTIMATE_MARGIN) * measured.peak_bytes, (model, batch_size)
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
+def test_a_model_that_reads_values_cannot_be_traced_and_says_so_in_one_line():
+    assert 'estimate_test_reads_values' in timm.list_models('estimate_test_*')
+    with pytest.raises(EstimateError, match='cannot be traced on fake tensors') as info:
+        estimate_memory(run_args('--model', 'estimate_test_reads_values', '--img-size', '8'), 'cpu')
+    assert '\n' not in str(info.value)
+
+
+def test_a_cuda_estimate_runs_without_a_gpu_and_rounds_like_the_caching_allocator():
+    args = run_args('--amp')
+    cuda = estimate_memory(args, 'cuda')
+    cpu = estimate_memory(args, 'cpu')
+    assert 'not yet checked on a GPU' in cuda.device.assumptions
+    split = cuda.categories(64)
+    assert split['allocator'] > 0  # storages rounded up to the caching allocator's blocks
+    assert cuda.device.counted(split) == pytest.approx(sum(split.values()))  # a CUDA budget counts the weights too
+    assert cpu.device.counted(split) == pytest.approx(sum(split.values()) - split['weights'])  # a CPU one does not

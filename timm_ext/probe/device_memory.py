@@ -1,0 +1,149 @@
+"""What a device adds to the bytes a step's tensors hold: the stated model behind the memory estimate.
+
+A fake-tensor trace (`timm_ext.probe.memory_trace`) counts tensors only. A real step also needs what kernels allocate
+for themselves, what the allocator holds beyond each request, and what the runtime keeps once a step has run. Each
+`DeviceModel` says how much of that it assumes (`assumptions`, printed with every estimate):
+
+* CPU (the budget counts memory above what the process held before the step, so the weights, built before, are not
+  counted). Measured with torch 2.14, oneDNN off, against the VmData peak of real updates near a 1 GiB cap
+  (`bench/bench_estimate.py`): a grouped convolution (depthwise included) runs group by group and concatenates,
+  holding its output once more in the forward and its input once more in the backward (`slow_conv_workspace`);
+  glibc's heap holds about as much again as an ungrouped convolution's result (`CPU_CONV_SLACK`: the holes its
+  kernels' own buffers leave); the runtime keeps `CPU_RUNTIME_BYTES` after a first update. Fitted on resnet18,
+  efficientnet_b0, convnext_atto and vit_tiny: the largest batch predicted within 13% of the one that holds.
+  With oneDNN on, convolutions keep scratchpads and reordered weights per shape that are not modelled.
+* CUDA: the caching allocator rounds every request up to 512 bytes and larger ones (over 10 MiB) to 2 MiB, and
+  the free tails of its segments are assumed `CUDA_SEGMENT_SLACK` of what is live; cuBLAS keeps a workspace
+  (`CUBLAS_WORKSPACE_BYTES`); cuDNN's workspace for a convolution is assumed at most the size of its input. The CUDA
+  context (`CUDA_CONTEXT_BYTES`) lies outside the allocator: an absolute budget is read as the card's memory, and
+  the context comes off it. Autocast is traced with CPU autocast's casts, which agree with CUDA's for convolutions,
+  matmuls, linear layers and attention (where the activations are). None of this has been checked on a GPU yet:
+  `bench/gpu_check.sh` compares it with `torch.cuda.max_memory_reserved`.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ['DeviceModel', 'device_model', 'CPU_RUNTIME_BYTES', 'CPU_CONV_SLACK', 'CPU_ESTIMATE_MARGIN', 'CUDA_CONTEXT_BYTES',
+           'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES']
+
+MiB = 1 << 20
+# CPU, measured (bench/bench_estimate.py's calibration models resnet18, efficientnet_b0, convnext_atto, oneDNN off,
+# near a 1 GiB cap): the VmData peak holds CPU_CONV_SLACK more than each convolution result (glibc's heap keeps the
+# holes that the convolutions' own buffers leave), and CPU_RUNTIME_BYTES the runtime keeps after a first update
+CPU_RUNTIME_BYTES = 128 * MiB
+CPU_CONV_SLACK = 1.0
+# how far below a real CPU trial's measured peak an estimate may fall (the fit's spread, with a margin)
+CPU_ESTIMATE_MARGIN = 0.15
+CUDA_CONTEXT_BYTES = 600 * MiB  # outside the allocator: the CUDA context with cuBLAS / cuDNN handles (assumed)
+CUBLAS_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's default workspace on recent GPUs, inside the allocator
+CUDA_SEGMENT_SLACK = 0.05  # free tails of the caching allocator's segments at the peak (assumed)
+
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """What one device type adds to a trace, and what its budget counts.
+
+    Attributes:
+        name: The device as the report names it.
+        allocated: Bytes the allocator hands out for n bytes made by an op, given (op or None, its args, n).
+        workspace: Bytes an op allocates for itself while it runs, given (op, args, its result); None: none.
+        fixed: Categories the device adds whatever the batch, name -> bytes.
+        uncounted: Categories the budget does not count (CPU: the weights, built before the cap is set).
+        context_bytes: Memory outside the allocator taken off an absolute budget.
+        assumptions: One line on what this model assumes (the report's and the YAML's header).
+    """
+    name: str
+    allocated: Callable[[object, tuple, int], int] = lambda func, args, n: n
+    workspace: Optional[Callable[[object, tuple, object], int]] = None
+    fixed: Dict[str, int] = field(default_factory=dict)
+    uncounted: Tuple[str, ...] = ()
+    context_bytes: int = 0
+    assumptions: str = ''
+
+    @property
+    def extra_names(self) -> Tuple[str, ...]:
+        return tuple(self.fixed)
+
+    def on_device(self, split: Dict[str, float]) -> Dict[str, float]:
+        """A traced split with the device's fixed categories added."""
+        return {**split, **self.fixed}
+
+    def counted(self, split: Dict[str, float]) -> float:
+        """The bytes of `split` the budget counts."""
+        return sum(v for k, v in split.items() if k not in self.uncounted)
+
+    def usable(self, budget: int) -> int:
+        """What an absolute budget leaves the allocator (the card's memory, less what lies outside it)."""
+        return max(0, budget - self.context_bytes)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def slow_conv_workspace(func, args: tuple, out) -> int:
+    """Bytes PyTorch's own CPU convolution holds beside its result for a grouped convolution (0 for other ops).
+
+    Measured on torch 2.14 with oneDNN off: a grouped convolution (depthwise included) runs group by group and
+    concatenates, holding about its output once more in the forward and its input once more in the backward.
+    """
+    groups = _groups(func, args)
+    if groups is None or groups == 1:
+        return 0
+    return _nbytes(out if func is torch.ops.aten.convolution.default else args[1])
+
+
+def caching_allocator_bytes(func, args: tuple, n: int) -> int:
+    """What CUDA's caching allocator reserves for a request of `n` bytes, its segment's free tail included."""
+    block = max(512, -(-n // 512) * 512)
+    if block > 10 * MiB:
+        block = -(-block // (2 * MiB)) * (2 * MiB)
+    return int(block * (1 + CUDA_SEGMENT_SLACK))
+
+
+def _groups(func, args: tuple) -> Optional[int]:
+    """A convolution op's groups (None for other ops)."""
+    if func is torch.ops.aten.convolution.default:
+        return args[8]
+    if func is torch.ops.aten.convolution_backward.default:
+        return args[9]
+    return None
+
+
+def cpu_heap_bytes(func, args: tuple, n: int) -> int:
+    """What glibc's heap holds for an ungrouped convolution's result: `CPU_CONV_SLACK` more (see the module doc)."""
+    return int(n * (1 + CPU_CONV_SLACK)) if _groups(func, args) == 1 else n
+
+
+def cudnn_workspace(func, args: tuple, out) -> int:
+    """Assumed cuDNN workspace of a convolution: at most the bytes of its input (0 for other ops)."""
+    if func not in _CONVOLUTIONS:
+        return 0
+    return _nbytes(args[1] if func is torch.ops.aten.convolution_backward.default else args[0])
+
+
+def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
+    """The model for 'cpu' (oneDNN on or off) or 'cuda'."""
+    if device_type == 'cuda':
+        return DeviceModel(
+            'cuda', caching_allocator_bytes, cudnn_workspace, {'cublas': CUBLAS_WORKSPACE_BYTES},
+            context_bytes=CUDA_CONTEXT_BYTES,
+            assumptions=(f'CUDA caching allocator rounding (512 B, 2 MiB segments, {CUDA_SEGMENT_SLACK:.0%} segment '
+                         f'tails), cuBLAS workspace {CUBLAS_WORKSPACE_BYTES // MiB} MiB, cuDNN workspace <= a '
+                         f'convolution\'s input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB off an absolute budget, '
+                         f'CPU autocast casts; not yet checked on a GPU'))
+    if device_type != 'cpu':
+        raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers cpu and cuda')
+    runtime = {'runtime': CPU_RUNTIME_BYTES}
+    common = (f'heap slack {CPU_CONV_SLACK:.0%} of convolution results, runtime {CPU_RUNTIME_BYTES // MiB} MiB '
+              f'(measured, oneDNN off); weights built before the budget counts')
+    if onednn:
+        return DeviceModel('cpu (oneDNN on)', cpu_heap_bytes, fixed=runtime, uncounted=('weights',),
+                           assumptions=f'CPU with oneDNN: its scratchpads not modelled, {common}')
+    return DeviceModel('cpu (oneDNN off)', cpu_heap_bytes, slow_conv_workspace, fixed=runtime, uncounted=('weights',),
+                       assumptions=f'CPU without oneDNN: grouped convolutions\' buffers, {common}')

@@ -1,0 +1,207 @@
+"""Know the batch before the run: train.py's own step traced on fake tensors, its peak memory fitted per category.
+
+`estimate_memory` builds the run with train.py's builder (`timm_ext.train.stack`: model, task and loss with mixup,
+label smoothing or distillation, optimizer, EMA, AMP, channels_last, grad checkpointing) and runs the probe trial's
+own update (`timm_ext.probe.trial.trial_train_step`) on fake tensors (`torch._subclasses.FakeTensorMode`): shapes and
+dtypes without storage, so no activation is allocated. `timm_ext.probe.memory_trace.LiveBytes` counts what each op
+would hold; a warm-up update at batch 2 creates the optimizer state, then an update at each of `TRACE_BATCHES` gives
+the peak split into weights, gradients, optimizer state, activations and temporaries. Each category is fitted
+linear in the batch size (least squares), so `MemoryEstimate.peak(b)` is the sum of five lines plus what the device
+adds (`timm_ext.probe.device_memory`).
+
+The model is built for real (timm models read tensor values while they are built, which fake tensors refuse) and
+then moved onto fake tensors (`to_empty`): the weights cost their real size once, the activations nothing. A model
+whose forward reads tensor values (data-dependent shapes, `.item()`) or runs kernels fake tensors do not know cannot
+be traced: `EstimateError` says so in one line and the caller probes without the estimate. float16's loss scaler is
+left out of the trace (its overflow check reads a value; it holds two scalars and unscales in place).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import TimmExtError
+from ..memory import format_bytes
+from ..train.setup import with_values
+from ..train.stack import build_optimizer, build_training_stack
+from .device_memory import DeviceModel, device_model
+from .memory_trace import CATEGORIES, LiveBytes
+from .search import die_with_parent
+from .trial import probe_input_size, trial_loop, trial_train_step
+
+__all__ = ['TRACE_BATCHES', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
+
+TRACE_BATCHES = (8, 16, 32)  # three sizes: a line per category, and a check that it is one
+WARMUP_BATCH = 2  # the warm-up update that creates the optimizer state (batch norm needs 2 samples)
+CPU = torch.device('cpu')
+
+
+class EstimateError(TimmExtError):
+    """The step cannot be traced on fake tensors; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak memory of one training update, by category, as lines in the batch size.
+
+    Attributes:
+        lines: Category -> (bytes at batch 0, bytes per sample), fitted to the traced peaks.
+        traced: Batch size -> the traced peak's split by category (what the lines were fitted to).
+        device: What the device adds, and which categories its budget counts.
+        describe: The model, input, precision and optimizer traced.
+        seconds: Wall time the estimate took (build and trace).
+    """
+    lines: Dict[str, Tuple[float, float]]
+    traced: Dict[int, Dict[str, int]]
+    device: DeviceModel
+    describe: str
+    seconds: float
+
+    def categories(self, batch_size: int) -> Dict[str, float]:
+        """Predicted bytes of each category at the peak, the device's additions included (`device.extra`)."""
+        # unclipped: the lines add up to the line of the traced peak (least squares is linear), whichever category
+        # the peak's moment moves between as the batch grows
+        split = {name: a + b * batch_size for name, (a, b) in self.lines.items()}
+        return self.device.on_device(split)
+
+    def peak(self, batch_size: int) -> float:
+        """Predicted peak in the budget's units (CPU: above what the process held before the step)."""
+        return self.device.counted(self.categories(batch_size))
+
+    def line(self) -> Tuple[float, float]:
+        """The predicted peak as (bytes at batch 0, bytes per sample): a prior for the probe's search."""
+        at_zero, at_one = self.peak(0), self.peak(1)
+        return at_zero, at_one - at_zero
+
+    def largest_batch(self, limit: float) -> int:
+        """The largest batch predicted at or under `limit` bytes (0 when not even 1 is)."""
+        at_zero, per_sample = self.line()
+        if per_sample <= 0:
+            raise EstimateError('the traced peak does not grow with the batch size; the estimate cannot aim')
+        return max(0, int((limit - at_zero) // per_sample))
+
+    def table(self, batch_sizes: Sequence[int], budget: Optional[int] = None) -> List[str]:
+        """The per-batch table: predicted peak by category, the total, and its share of `budget`."""
+        names = [n for n in CATEGORIES + self.device.extra_names if n in self.categories(1)]
+        head = f'{"batch":>7s} ' + ' '.join(f'{n:>12s}' for n in names) + f' {"peak":>11s}'
+        rows = [head + ('  of budget' if budget else '')]
+        for b in batch_sizes:
+            split = self.categories(b)
+            counted = self.device.counted(split)
+            share = f'  {counted / budget:9.0%}' if budget else ''
+            rows.append(f'{b:>7d} ' + ' '.join(f'{format_bytes(max(0.0, split[n])):>12s}' for n in names)
+                        + f' {format_bytes(counted):>11s}' + share)
+        return rows
+
+
+def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
+    """Least-squares line (intercept, slope) through (batch, bytes) points."""
+    sizes = sorted(points)
+    mean_b = sum(sizes) / len(sizes)
+    mean_v = sum(points.values()) / len(sizes)
+    slope = sum((b - mean_b) * (points[b] - mean_v) for b in sizes) / sum((b - mean_b) ** 2 for b in sizes)
+    return mean_v - slope * mean_b, slope
+
+
+def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]) -> MemoryEstimate:
+    """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
+    estimate_args = with_values(args, sync_bn=False, torchcompile=None, device='cpu')
+    lr = args.lr or args.lr_base
+    stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
+    input_size = probe_input_size(args, stack.data_config)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    traced: Dict[int, Dict[str, int]] = {}
+    try:
+        with mode:
+            stack.task.to_empty(device=CPU)
+            stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
+                                        grad_scaler=None)
+            step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
+            weights = [*stack.task.parameters(), *stack.task.buffers()]
+            tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace)
+            try:
+                with tracker:
+                    step(WARMUP_BATCH)
+                    for batch_size in batches:
+                        tracker.reset_peak()
+                        step(batch_size)
+                        traced[batch_size] = dict(tracker.peak)
+            finally:
+                tracker.remove_hooks()
+    except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
+        text = ' '.join(str(e).split())[:200]
+        raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
+    lines = {name: _fit_line({b: split[name] for b, split in traced.items()}) for name in CATEGORIES}
+    describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, '
+                f'{stack.amp.dtype or stack.model_dtype or torch.float32}'.replace('torch.', '')
+                + f', optimizer {args.opt}')
+    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started)
+
+
+def in_child(fn: Callable[[], dict]) -> Optional[dict]:
+    """Run `fn` in a forked child and return its JSON-able answer (None when the child died without one).
+
+    Why: a fake-tensor backward starts autograd's threads, and a process that has run them cannot fork the probe's CPU
+    trials any more (torch refuses autograd in such a child), so every trace runs in a child of its own.
+    """
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        try:
+            die_with_parent(parent)
+            os.close(read_fd)
+            torch.set_num_threads(1)
+            os.write(write_fd, json.dumps(fn()).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    try:
+        chunks = []
+        while chunk := os.read(read_fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        os.waitpid(pid, 0)
+    return json.loads(b''.join(chunks)) if chunks else None
+
+
+def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,
+                    batches: Sequence[int] = TRACE_BATCHES) -> MemoryEstimate:
+    """Trace train.py's update for `args` on fake tensors at `batches` (in a child process) and fit each category.
+
+    Args:
+        args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified.
+        device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.probe.device_memory.device_model`).
+        onednn: CPU: whether oneDNN will run the convolutions.
+        batches: The batch sizes traced (at least two).
+
+    Raises:
+        EstimateError: The model or its step cannot run on fake tensors (or the child died).
+    """
+    device = device_model(device_type, onednn)
+
+    def trace() -> dict:
+        try:
+            e = _trace(args, device, batches)
+        except EstimateError as error:
+            return dict(error=str(error))
+        return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds)
+
+    reply = in_child(trace)
+    if reply is None:
+        raise EstimateError(f'the estimate of {args.model} died before it finished (its process gave no answer)')
+    if 'error' in reply:
+        raise EstimateError(reply['error'])
+    traced = {int(b): split for b, split in reply['traced'].items()}
+    lines = {name: tuple(line) for name, line in reply['lines'].items()}
+    return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'])
