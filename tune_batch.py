@@ -50,6 +50,7 @@ from timm_ext.launch import current_topology
 from timm_ext.memory import free_memory
 from timm_ext.probe.search import SELECT_MODES, die_with_parent, format_table
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
+from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs
 from timm_ext.tune.handover import exec_training
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
@@ -122,6 +123,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     _check_tune_args(parser, args)
     prog = parser.prog
     try:
+        args, ramp_line = with_noise_scale(args, args.nproc, split=False)  # the plan splits the batch itself
+        if ramp_line and os.environ.get('RANK', '0') == '0':
+            print(ramp_line)
         # everything train.py would refuse, before any probe (ranks under torchrun read the world from the environment)
         check_arg_combinations(args, world_size=None if 'WORLD_SIZE' in os.environ else args.nproc)
         given = given_dests(argv, parser)
