@@ -47,13 +47,11 @@ def test_ramp_turns_the_noise_scale_on_with_the_accumulation_it_needs(flags, wor
     assert not args.log_noise_scale and args.batch_size == int(flags[1])  # a copy: the parsed args stay as given
 
 
-def test_noise_scale_left_alone_without_the_ramp_or_when_on_or_for_the_tuner():
+def test_noise_scale_left_alone_without_the_ramp_or_when_on():
     plain = build_parser().parse_args(['-b', '8'])
     assert with_noise_scale(plain, 1) == (plain, None)
     on = _ramp_args('-b', '8', '--log-noise-scale', '--grad-accum-steps', '2')
     assert with_noise_scale(on, 1) == (on, None)
-    tuner, line = with_noise_scale(_ramp_args('-b', '8'), 1, split=False)  # tune_batch.py's plan splits it
-    assert tuner.log_noise_scale and (tuner.batch_size, tuner.grad_accum_steps) == (8, 1) and line
 
 
 def test_batch_ramp_alone_trains_with_the_noise_scale_on(tmp_path):

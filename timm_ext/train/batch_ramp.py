@@ -106,15 +106,14 @@ class RampState:
         self.micro_batch, self.recipe_micro = state.get('micro_batch'), state.get('recipe_micro')
 
 
-def with_noise_scale(args: argparse.Namespace, world_size: int,
-                     split: bool = True) -> Tuple[argparse.Namespace, Optional[str]]:
+def with_noise_scale(args: argparse.Namespace, world_size: int) -> Tuple[argparse.Namespace, Optional[str]]:
     """``--batch-ramp`` without ``--log-noise-scale``: a copy of `args` with the noise scale on, and the log line.
 
     The ramp follows B_simple, so asking for the ramp is asking for its measurement. On one process the estimate
-    needs two batch sizes in every update: with `split`, a run without accumulation keeps its global batch and
-    splits it (`plan_accumulation`, at most half the micro-batch, a multiple of `batch_multiple`); when no exact
-    split into 2+ steps exists the accumulation becomes 2 and the global batch doubles (the LR follows by the
-    run's rule). tune_batch.py passes ``split=False``: its plan splits the batch itself.
+    needs two batch sizes in every update: a run without accumulation keeps its global batch and splits it
+    (`plan_accumulation`, at most half the micro-batch, a multiple of `batch_multiple`); when no exact split into
+    2+ steps exists the accumulation becomes 2 and the global batch doubles (the LR follows by the run's rule).
+    train.py and tune_batch.py both apply it before their checks, so the probe plans the run train.py trains.
 
     Returns:
         (`args`, None) when nothing changes, else (the copy, one line saying what was turned on and why).
@@ -123,7 +122,7 @@ def with_noise_scale(args: argparse.Namespace, world_size: int,
         return args, None
     values: Dict[str, Any] = dict(log_noise_scale=True)
     line = '--batch-ramp follows the noise scale B_simple: --log-noise-scale turned on'
-    if split and args.grad_accum_steps < min_accum_steps(True, world_size):
+    if args.grad_accum_steps < min_accum_steps(True, world_size):
         micro, accum = args.batch_size, 2
         if args.batch_size >= 2:
             plan = plan_accumulation(args.batch_size, 1, args.batch_size // 2, batch_multiple(args))
