@@ -158,10 +158,21 @@ def test_every_docs_page_is_linked_from_the_readme_and_starts_with_commands():
         assert SCOPE.search(page.read_text()), f'docs/{page.name} declares no <!-- flags: SCRIPT --> scope'
 
 
-def test_relative_links_point_at_files():
+def _anchors(page: Path) -> set:
+    """GitHub's anchors of a page's headings: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    headings = re.findall(r'^#+ (.+)$', page.read_text(), flags=re.MULTILINE)
+    return {re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-') for heading in headings}
+
+
+def test_relative_links_point_at_files_and_headings():
+    anchors = 0
     for page in [README, *DOCS]:
-        for target in re.findall(r'\]\(([^)#:\s]+)(?:#[^)]*)?\)', page.read_text()):
-            assert (page.parent / target).exists(), f'{page.name} links {target}, which does not exist'
+        for target, anchor in re.findall(r'\]\(([^)#:\s]*)(?:#([^)]*))?\)', page.read_text()):
+            linked = (page.parent / target) if target else page
+            assert linked.exists(), f'{page.name} links {target}, which does not exist'
+            assert not anchor or anchor in _anchors(linked), f'{page.name} links {target}#{anchor}: no such heading'
+            anchors += bool(anchor)
+    assert anchors >= 5  # the README's figures link into docs/benchmarks.md
 
 
 # ---- every named flag exists ------------------------------------------------------------------------------------
