@@ -7,10 +7,11 @@
 Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
 largest micro-batch under the memory budget with real training steps (`timm_ext.probe.trial`), plan accumulation
 for the wanted global batch and the LR (`timm_ext.tune.plan`), write a YAML config that train.py (ours or stock)
-reads with `-c`, print a report and the train command, then train unless `--dry-run`: in this process, once
-everything the probe built is released (the imports are paid once; the probe's model, optimizer and allocator cache
-are gone). With `--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest),
-and once they have exited this process becomes distributed_train.sh (`timm_ext.tune.handover`). Started by torchrun
+reads with `-c`, print the trial table (once), the report and a closing summary ending in the train command, then
+train unless `--dry-run`: in this process, once everything the probe built is released (the imports are paid once;
+the probe's model, optimizer and allocator cache are gone). With `--nproc N` the probe runs on N ranks under torchrun
+(each rank probes; they agree on the smallest), and once they have exited this process becomes distributed_train.sh
+(`timm_ext.tune.handover`). Started by torchrun
 itself (several nodes, say), it probes and plans on every rank and prints the train command with the topology it was
 started under (`timm_ext.launch`), for each node to run.
 
