@@ -22,10 +22,12 @@ from typing import AbstractSet
 
 import torch
 from timm import utils
+from timm.utils import world_info_from_env
 
 from timm_ext.distributed import lost_peer
 from timm_ext.errors import TimmExtError, report
-from timm_ext.train.args import build_parser, given_dests, parse_args
+from timm_ext.train.args import args_to_yaml, build_parser, given_dests, parse_args
+from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.run import TrainingRun
 from timm_ext.train.setup import check_arg_combinations, check_inputs
 
@@ -36,6 +38,10 @@ def main(argv=None, prog: str = 'train.py') -> int:
         utils.setup_default_logging()
     args, args_text = parse_args(argv)
     try:
+        args, ramp_line = with_noise_scale(args, world_info_from_env()[2])
+        if ramp_line:  # the ramp's measurement turned on: args.yaml holds what the run trains with
+            logging.getLogger('train').info(ramp_line)
+            args_text = args_to_yaml(args)
         check_arg_combinations(args)
         check_inputs(args)
         return train(args, args_text, given_dests(argv, build_parser()))

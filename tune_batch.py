@@ -7,10 +7,11 @@
 Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
 largest micro-batch under the memory budget with real training steps (`timm_ext.probe.trial`), plan accumulation
 for the wanted global batch and the LR (`timm_ext.tune.plan`), write a YAML config that train.py (ours or stock)
-reads with `-c`, print a report and the train command, then train unless `--dry-run`: in this process, once
-everything the probe built is released (the imports are paid once; the probe's model, optimizer and allocator cache
-are gone). With `--nproc N` the probe runs on N ranks under torchrun (each rank probes; they agree on the smallest),
-and once they have exited this process becomes distributed_train.sh (`timm_ext.tune.handover`). Started by torchrun
+reads with `-c`, print the trial table (once), the report and a closing summary ending in the train command, then
+train unless `--dry-run`: in this process, once everything the probe built is released (the imports are paid once;
+the probe's model, optimizer and allocator cache are gone). With `--nproc N` the probe runs on N ranks under torchrun
+(each rank probes; they agree on the smallest), and once they have exited this process becomes distributed_train.sh
+(`timm_ext.tune.handover`). Started by torchrun
 itself (several nodes, say), it probes and plans on every rank and prints the train command with the topology it was
 started under (`timm_ext.launch`), for each node to run.
 
@@ -48,8 +49,9 @@ from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology
 from timm_ext.memory import free_memory
-from timm_ext.probe.search import SELECT_MODES, die_with_parent, format_table
+from timm_ext.probe.search import SELECT_MODES, die_with_parent
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
+from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs
 from timm_ext.tune.handover import exec_training
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
@@ -57,7 +59,7 @@ from timm_ext.tune.plan import (
     TRAIN_WITH, config_values, extension_flags, planned_command, shell_line, train_command, tuned_config_text,
 )
 from timm_ext.tune.plot import write_probe_plot
-from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, worth_a_plot
+from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, summary_lines, worth_a_plot
 
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -122,6 +124,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     _check_tune_args(parser, args)
     prog = parser.prog
     try:
+        args, ramp_line = with_noise_scale(args, int(os.environ.get('WORLD_SIZE', args.nproc)))
+        if ramp_line and os.environ.get('RANK', '0') == '0':
+            print(ramp_line)
         # everything train.py would refuse, before any probe (ranks under torchrun read the world from the environment)
         check_arg_combinations(args, world_size=None if 'WORLD_SIZE' in os.environ else args.nproc)
         given = given_dests(argv, parser)
@@ -189,23 +194,19 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras, topology)
     report = report_lines(tuned, args, extras)
     if primary:
-        tables = ['', 'Trials:', format_table(tuned.outcome.trials, tuned.outcome.budget), '']
+        tables = ['']  # the trials were printed as they ran (or from the cache); the per-size table sums them up
         if tuned.sizes:
             wanted = tuned.size_batches if 'train_batch_sizes' in given else None
-            tables += ['Per size (the trials above are the largest size\'s):', format_size_table(tuned.sizes, wanted),
-                       '']
-        if tuned.eval_outcome is not None:
-            tables += ['Eval trials:', format_table(tuned.eval_outcome.trials, tuned.eval_outcome.budget), '']
+            tables += ['Per size:', format_size_table(tuned.sizes, wanted), '']
         print('\n'.join(tables + report))
         os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
         atomic_text(tuned_config_text(values, report + ['', TRAIN_WITH + shell_line(command)]), config_path)
-        print(f'Config: {config_path}')
         if worth_a_plot(tuned):
             plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
                                     tuned.plan.micro_batch, tuned.choice)
             if plot:
                 print(f'Plot: {plot}')
-        print(f'Train command: {shell_line(command)}', flush=True)
+        print('\n'.join(['', *summary_lines(tuned, config_path, shell_line(command))]), flush=True)
     multi_node = topology is not None and topology.multi_node
     if multi_node and primary:
         print(f'Run it on each of the {topology.nnodes} nodes as tune_batch.py was (each node prints its own).')

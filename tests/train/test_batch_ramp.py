@@ -16,12 +16,55 @@ from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.batch_ramp import (
     MAX_GROWTH, BatchRamp, RampChange, RampState, RecipeClock, describe_ramp_change, lr_factor, plan_ramp, ramp_cap,
-    split_global,
+    split_global, with_noise_scale,
 )
+from timm_ext.train.args import build_parser
 from timm_ext.train.elastic import BatchLayout
 from timm_ext.train.noise_monitor import NoiseScaleSummary
 
 LAYOUT = BatchLayout(micro_batch=8, world_size=2, accum_steps=2)  # global batch 32, 16 samples per accumulation step
+
+
+# ---- the noise scale the ramp needs -------------------------------------------------------------------------------
+
+def _ramp_args(*flags):
+    return build_parser().parse_args(['--batch-ramp', *flags])
+
+
+@pytest.mark.parametrize('flags,world_size,layout,words', [
+    (['-b', '8'], 1, (4, 2), 'global batch 8)'),  # split: the global batch stays
+    (['-b', '3'], 1, (1, 3), 'global batch 3)'),  # no 2-way split of 3: the 3-way one
+    (['-b', '1'], 1, (1, 2), 'global batch 1 -> 2; the LR follows'),  # nothing to split: the batch doubles
+    (['-b', '6', '--mixup', '0.5'], 1, (2, 3), 'global batch 6)'),  # mixup: an even micro-batch (3 x 2 would be odd)
+    (['-b', '8', '--grad-accum-steps', '2'], 1, (8, 2), 'turned on.'),  # two batch sizes already
+    (['-b', '8'], 2, (8, 1), 'turned on.'),  # two ranks give the two sizes
+])
+def test_ramp_turns_the_noise_scale_on_with_the_accumulation_it_needs(flags, world_size, layout, words):
+    args = _ramp_args(*flags)
+    ramped, line = with_noise_scale(args, world_size)
+    assert ramped.log_noise_scale and (ramped.batch_size, ramped.grad_accum_steps) == layout
+    assert words in line and '\n' not in line
+    assert not args.log_noise_scale and args.batch_size == int(flags[1])  # a copy: the parsed args stay as given
+
+
+def test_noise_scale_left_alone_without_the_ramp_or_when_on():
+    plain = build_parser().parse_args(['-b', '8'])
+    assert with_noise_scale(plain, 1) == (plain, None)
+    on = _ramp_args('-b', '8', '--log-noise-scale', '--grad-accum-steps', '2')
+    assert with_noise_scale(on, 1) == (on, None)
+
+
+def test_batch_ramp_alone_trains_with_the_noise_scale_on(tmp_path):
+    data = make_image_folder(tmp_path / 'data', per_class=32)
+    flags = ('--val-split', '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+             '--workers', '0', '-b', '8', '--lr', '0.05', '--epochs', '1', '--batch-ramp')
+    log, _ = _train(data, tmp_path, 'alone', flags)
+    lines = [line for line in log.splitlines() if '--log-noise-scale turned on' in line]
+    assert len(lines) == 1 and '-b 8 -> 4 x 2 accumulation (global batch 8)' in lines[0], log[-2000:]
+    run = tmp_path / 'alone'
+    assert [r['global_batch'] for r in _rows(run / 'noise_scale.csv')] == ['8']
+    saved = (run / 'args.yaml').read_text()
+    assert 'log_noise_scale: true' in saved and 'grad_accum_steps: 2' in saved and 'batch_size: 4' in saved
 
 
 # ---- the rule ---------------------------------------------------------------------------------------------------
@@ -384,7 +427,6 @@ def test_ranks_take_the_same_decisions_under_ddp(tmp_path):
 
 
 @pytest.mark.parametrize('flags,words', [
-    (['--batch-ramp', '--grad-accum-steps', '2'], '--batch-ramp follows the gradient noise scale'),
     (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max', '64'], '--batch-ramp-max only acts'),
     (['--log-noise-scale', '--grad-accum-steps', '2', '--batch-ramp-max-micro', '8'],
      '--batch-ramp-max-micro only acts'),

@@ -1,6 +1,7 @@
 """tune_batch.py: accumulation/LR planning, the YAML read back by train.py, dry-run report, cache, failures, and a
 short real tune -> train -> validate run. Probes run under real RLIMIT_DATA caps in subprocesses."""
 import argparse
+import json
 import re
 import importlib.util
 import os
@@ -128,8 +129,19 @@ def test_dry_run_report(dry_run):
     lines = trial_lines(out)
     assert len(lines) >= 3 and any(' fit ' in line for line in lines)
     assert any('oom' in line or 'over headroom' in line for line in lines), 'the 48 MiB cap must bind'
-    for needle in ('Trials:', 'micro-batch', 'Accumulation', 'global batch 96', 'LR ', 'sqrt', 'Train command:'):
+    for needle in ('micro-batch', 'Accumulation', 'global batch 96', 'LR ', 'sqrt', 'Train command:'):
         assert needle in out
+    # the table once: one line per trial run (the live lines), no second, sorted copy at the end
+    ran = json.loads((tmp_path / 'tuned.trials.json').read_text())['trials']
+    assert len(lines) == len(ran) and 'Trials:' not in out
+    # the closing block: the layout, the LR and rule, the eval batch, the YAML and the command, last
+    summary = out[out.rindex('Summary:'):].splitlines()
+    values = yaml.safe_load(config.read_text())
+    micro, accum = values['batch_size'], values['grad_accum_steps']
+    assert summary[1] == f'  Global batch 96 = micro-batch {micro} x accumulation {accum} x 1 rank'
+    assert summary[2].startswith('  LR ') and summary[2].endswith('(sqrt rule)')
+    assert summary[3] == f'  Eval batch {values["validation_batch_size"]} (validation_batch_size)'
+    assert summary[-2] == f'Config: {config}' and summary[-1].startswith('Train command: ') and len(summary) == 6
     assert config.exists() and (tmp_path / 'tuned.trials.json').exists()
     assert not (tmp_path / 'output' / 'train').exists(), '--dry-run must not train'
 
@@ -153,7 +165,8 @@ def test_second_identical_request_is_a_cache_hit(dry_run, image_folder):
     second = tune(tmp_path, image_folder, *BUDGET, '--target-global-batch', '96', '--epochs', '10000',
                   '--tuned-config', again, '--opt', 'adamw', '--dry-run')
     assert second.returncode == 0, second.stderr[-3000:]
-    assert second.stdout.count('cached result') == 2 and 'batch ' not in second.stdout.split('Trials:')[0]
+    assert second.stdout.count('cached result') == 2
+    assert trial_lines(second.stdout) == trial_lines(first.stdout)  # the cached table, printed once as the probe's was
     strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith('# Train with')]
     assert strip(again.read_text()) == strip(config.read_text())
     # a different request (another optimizer) is not served from the cache
@@ -347,7 +360,8 @@ def test_a_long_run_probes_the_eval_batch_and_writes_validation_batch_size(dry_r
     assert 1 <= len(eval_trials) <= 4, eval_trials
     values = yaml.safe_load(config.read_text())
     assert values['validation_batch_size'] > values['batch_size']
-    assert f'Eval batch {values["validation_batch_size"]} = ' in out and 'Eval trials:' in out
+    assert f'Eval batch {values["validation_batch_size"]} = ' in out and 'Eval trials:' not in out
+    assert len(eval_trials) == len(json.loads((tmp_path / 'tuned.eval.trials.json').read_text())['trials'])
     assert (tmp_path / 'tuned.eval.trials.json').exists()
 
 
@@ -399,10 +413,12 @@ def test_mixup_runs_get_an_even_micro_batch_from_the_planner():
 
 
 def test_batch_ramp_gets_the_largest_micro_batch_that_fits(tmp_path, image_folder):
-    ramp = ['--batch-ramp', '--log-noise-scale', '-b', '4', '--grad-accum-steps', '2', '--dry-run']
+    ramp = ['--batch-ramp', '-b', '8', '--dry-run']  # the ramp alone: its noise scale is turned on, and said
     result = tune(tmp_path, image_folder, *BUDGET, *ramp, '--tuned-config', tmp_path / 'ramp.yaml')
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count('--log-noise-scale turned on') == 1
     command = next(line for line in result.stdout.splitlines() if line.startswith('Train command:')).split()
+    assert '--log-noise-scale' in command and '--batch-ramp' in command
     limit = int(command[command.index('--batch-ramp-max-micro') + 1])
     fits = [int(line.split()[1].rstrip(':')) for line in trial_lines(result.stdout)
             if ' fit ' in line and 'over headroom' not in line]

@@ -488,7 +488,7 @@ def _add_extension_args(parser: argparse.ArgumentParser) -> None:
                        help='estimate and log the gradient noise scale (critical batch size)')
     group.add_argument('--batch-ramp', action='store_true', default=False,
                        help='grow the global batch at epoch boundaries as the measured B_simple grows, moving the '
-                            'LR by the run\'s rule (needs --log-noise-scale)')
+                            'LR by the run\'s rule (turns --log-noise-scale on)')
     group.add_argument('--batch-ramp-factor', type=float, default=None, metavar='F',
                        help=f'--batch-ramp keeps the global batch within B_simple / F (default: {RAMP_FACTOR:g})')
     group.add_argument('--batch-ramp-max', type=int, default=None, metavar='N',

@@ -26,6 +26,7 @@ the training stack's own builder. Without the flag only the accumulation grows.
 The rule, the LR factor, the state and the log line are pure; `BatchRamp` applies them to a run's loop, optimizer
 and scheduler.
 """
+import argparse
 import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -39,8 +40,8 @@ from .elastic import BatchLayout
 from .noise_monitor import min_accum_steps
 from .setup import batch_multiple, build_train_loader, with_values
 
-__all__ = ['RAMP_FACTOR', 'MAX_GROWTH', 'RampChange', 'RampState', 'ramp_cap', 'plan_ramp', 'split_global',
-           'lr_factor', 'describe_ramp_change', 'RecipeClock', 'TrainLoaderRebuild', 'BatchRamp']
+__all__ = ['RAMP_FACTOR', 'MAX_GROWTH', 'RampChange', 'RampState', 'with_noise_scale', 'ramp_cap', 'plan_ramp',
+           'split_global', 'lr_factor', 'describe_ramp_change', 'RecipeClock', 'TrainLoaderRebuild', 'BatchRamp']
 
 _logger = logging.getLogger('train')
 
@@ -103,6 +104,35 @@ class RampState:
         self.recipe_accum = int(state['recipe_accum'])
         self.history = [RampChange(**change) for change in state.get('history', ())]
         self.micro_batch, self.recipe_micro = state.get('micro_batch'), state.get('recipe_micro')
+
+
+def with_noise_scale(args: argparse.Namespace, world_size: int) -> Tuple[argparse.Namespace, Optional[str]]:
+    """``--batch-ramp`` without ``--log-noise-scale``: a copy of `args` with the noise scale on, and the log line.
+
+    The ramp follows B_simple, so asking for the ramp is asking for its measurement. On one process the estimate
+    needs two batch sizes in every update: a run without accumulation keeps its global batch and splits it
+    (`plan_accumulation`, at most half the micro-batch, a multiple of `batch_multiple`); when no exact split into
+    2+ steps exists the accumulation becomes 2 and the global batch doubles (the LR follows by the run's rule).
+    train.py and tune_batch.py both apply it before their checks, so the probe plans the run train.py trains.
+
+    Returns:
+        (`args`, None) when nothing changes, else (the copy, one line saying what was turned on and why).
+    """
+    if not args.batch_ramp or args.log_noise_scale:
+        return args, None
+    values: Dict[str, Any] = dict(log_noise_scale=True)
+    line = '--batch-ramp follows the noise scale B_simple: --log-noise-scale turned on'
+    if args.grad_accum_steps < min_accum_steps(True, world_size):
+        micro, accum = args.batch_size, 2
+        if args.batch_size >= 2:
+            plan = plan_accumulation(args.batch_size, 1, args.batch_size // 2, batch_multiple(args))
+            if plan.exact and plan.accum_steps >= 2:
+                micro, accum = plan.micro_batch, plan.accum_steps
+        values.update(batch_size=micro, grad_accum_steps=accum)
+        grown = '' if micro * accum == args.batch_size else f" -> {micro * accum}; the LR follows by the run's rule"
+        line += (f', with the two batch sizes per update it needs on one process: -b {args.batch_size} -> '
+                 f'{micro} x {accum} accumulation (global batch {args.batch_size}{grown})')
+    return with_values(args, **values), line + '.'
 
 
 def ramp_cap(layout: BatchLayout, batches_per_epoch: int, num_epochs: int, min_updates: int,

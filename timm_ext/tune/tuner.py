@@ -41,7 +41,7 @@ from .plan import RunPlan, plan_global_batch, plan_run
 __all__ = [
     'ProbeRequest', 'TunedRun', 'default_config_path', 'probe_or_reuse', 'recipe_global_batch', 'choose_by_time',
     'time_bigger_batches', 'plan_tuned_run', 'ramp_micro_limit', 'tune_schedule', 'plan_eval_batch', 'worth_a_plot',
-    'report_lines',
+    'report_lines', 'summary_lines',
 ]
 
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
@@ -97,7 +97,8 @@ class ProbeRequest:
 def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, start: int) -> ProbeOutcome:
     """The probe's outcome for this request: from the cache when an identical one was probed, else probed now.
 
-    Trials are printed live (rank 0) and the table is kept up to date at `request.trials_path` while probing.
+    Trials are printed live (rank 0), or all at once when cached, and the table is kept up to date at
+    `request.trials_path` while probing: the trial table is printed once.
     """
     args, setup, device, budget_bytes = request.args, request.setup, request.device, request.budget_bytes
     primary = args.rank == 0
@@ -110,9 +111,11 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
         cached = box[0]
 
     context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
+    prefix = '  ' if request.phase == 'train' else f'  {request.phase} '
     if cached is not None:
-        if primary:
+        if primary:  # the cached trials, as a probe would have printed them: the table appears once either way
             print(f'Probe: cached result for this request ({cache.path(key)}); no trials run.')
+            print('\n'.join(prefix + format_trial(trial, budget_bytes) for trial in cached), flush=True)
         try:
             selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
         except NothingFitsError as e:
@@ -124,7 +127,6 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
               f'{device_name(device)}, headroom {args.mem_headroom:.0%}, {sizes}.')
         os.makedirs(os.path.dirname(os.path.abspath(request.trials_path)), exist_ok=True)
     table = []
-    prefix = '  ' if request.phase == 'train' else f'  {request.phase} '
 
     def on_trial(trial):
         table.append(trial)
@@ -441,3 +443,21 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     if extras:
         lines.append(f'Extension flags (our train.py only, on the command line): {" ".join(extras)}')
     return lines
+
+
+def summary_lines(tuned: TunedRun, config_path: str, command: str) -> List[str]:
+    """The closing block: the layout, the LR and its rule, the eval batch, the predicted time when one was measured,
+    where the config is and the command that trains from it."""
+    plan = tuned.plan
+    ranks = f'{plan.world_size} rank' + ('s' if plan.world_size != 1 else '')
+    lines = ['Summary:', f'  Global batch {plan.global_batch} = micro-batch {plan.micro_batch} x accumulation '
+             f'{plan.accum_steps} x {ranks}' + (f' (per size: train_batch_sizes {tuned.size_batches})'
+                                                if tuned.size_batches is not None else ''),
+             f'  LR {plan.lr:g} ({plan.lr_rule + " rule" if plan.lr_rule else "given"})']
+    if tuned.eval_batch is not None:
+        lines.append(f'  Eval batch {tuned.eval_batch} (validation_batch_size)')
+    else:
+        lines.append(f'  Eval batch: train.py\'s own (the micro-batch {plan.micro_batch}, or --validation-batch-size)')
+    if tuned.choice is not None:
+        lines.append(f'  Predicted time to the recipe\'s result: ~{tuned.choice.chosen.predicted_s:.0f} s of compute')
+    return lines + [f'Config: {config_path}', f'Train command: {command}']
