@@ -47,9 +47,11 @@ from timm_ext.atomic_files import atomic_text
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.errors import TimmExtError, report
-from timm_ext.launch import current_topology
+from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import free_memory
-from timm_ext.probe.search import SELECT_MODES, die_with_parent
+from timm_ext.probe.estimate import EstimateError, estimate_memory
+from timm_ext.probe.search import SELECT_MODES, NothingFitsError, die_with_parent
+from timm_ext.probe.trial import nothing_fits_advice
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs
@@ -59,7 +61,10 @@ from timm_ext.tune.plan import (
     TRAIN_WITH, config_values, extension_flags, planned_command, shell_line, train_command, tuned_config_text,
 )
 from timm_ext.tune.plot import write_probe_plot
-from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, summary_lines, worth_a_plot
+from timm_ext.tune.estimate_plan import estimate_report, parse_budgets, plan_from_estimate
+from timm_ext.tune.tuner import (
+    default_config_path, plan_tuned_run, recipe_global_batch, report_lines, summary_lines, worth_a_plot,
+)
 
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -103,6 +108,12 @@ def build_tune_parser() -> argparse.ArgumentParser:
                        help='probe and plan, write the config and print the command, but do not train')
     group.add_argument('--no-cache', action='store_true', default=False,
                        help='probe again even if an identical request is cached')
+    group.add_argument('--estimate', action='store_true', default=False,
+                       help='decide from the memory estimate alone (train.py\'s step traced on fake tensors): no real '
+                            'trial, no device needed, so --device cuda plans a GPU run on any machine; --mem-budget '
+                            'may then list several sizes (24GiB,80GiB) for a table of what fits where')
+    group.add_argument('--nnodes', type=int, default=1, metavar='N',
+                       help='with --estimate: plan for N nodes of --nproc processes each (nothing is launched)')
     return parser
 
 
@@ -113,6 +124,11 @@ def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     problem = writable_file_problem('--tuned-config', args.tuned_config or default_config_path(args))
     if problem:
         parser.error(problem)
+    if args.mem_budget and ',' in args.mem_budget and not args.estimate:
+        parser.error('argument --mem-budget: several budgets are for --estimate; give one, or add --estimate')
+    if args.nnodes != 1 and not args.estimate:
+        parser.error('argument --nnodes: plans several nodes only with --estimate; to probe on several nodes, start '
+                     'tune_batch.py under torchrun on each')
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -131,6 +147,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_arg_combinations(args, world_size=None if 'WORLD_SIZE' in os.environ else args.nproc)
         given = given_dests(argv, parser)
         schedule_mode(args, given)  # a schedule it cannot honour is refused before any probe
+        if args.estimate:  # the data and the device may be on the machine the plan is for, not here
+            return tune_from_estimate(parser, args, given)
         check_inputs(args)
         if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
             return relaunch_under_torchrun(parser, args, sys.argv[1:] if argv is None else argv)
@@ -224,6 +242,44 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     if args.torchcompile:
         torch._dynamo.reset()  # the probe's compiled graphs would count toward the recompile limit of the same code
     return load_train_script().main(command[2:])
+
+
+def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
+    """--estimate: plan every budget from the memory estimate, write the first budget's config, print the command."""
+    device_type = args.device.split(':', 1)[0]
+    world_size = args.nproc * args.nnodes
+    budgets = parse_budgets(args.mem_budget or '1.0', device_type)
+    run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
+                                     'rank': 0, 'local_rank': 0})
+    try:
+        estimate = estimate_memory(run_args, device_type, onednn=torch.backends.mkldnn.is_available())
+    except EstimateError as e:
+        return report(parser.prog, e)
+    recipe_global, _ = recipe_global_batch(args, given, world_size)
+    plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global)
+    lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc)
+    chosen = plans[0].plan
+    if chosen is None:
+        print('\n'.join(lines))
+        return report(parser.prog, NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; '
+                                                    f'{nothing_fits_advice(args)}'))
+    config_path = args.tuned_config or default_config_path(args)
+    extension_dests = group_dests(parser, EXTENSIONS_GROUP)
+    stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))
+    values = config_values(args, parser, stock_dests, chosen)
+    topology = planned_topology(args.nnodes, args.nproc)
+    command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc,
+                            extension_flags(args, parser, extension_dests), topology)
+    lines += ['', f'Plan for {plans[0].budget_text}: global batch {chosen.global_batch} = {chosen.micro_batch} x '
+                  f'{world_size} rank(s) x {chosen.accum_steps}. {chosen.reason}', f'LR {chosen.lr:g} '
+                  f'({chosen.lr_rule or "given"}): {chosen.lr_reason}']
+    print('\n'.join(lines))
+    os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
+    atomic_text(tuned_config_text(values, lines + ['', TRAIN_WITH + shell_line(command)]), config_path)
+    if topology is not None:
+        print(f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.')
+    print('\n'.join(['', f'Config: {config_path}', f'Train command: {shell_line(command)}']), flush=True)
+    return 0
 
 
 def load_train_script():

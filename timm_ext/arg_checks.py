@@ -223,9 +223,11 @@ def _is_dataset(name: Any) -> bool:
 
 
 def _is_budget(text: Any) -> bool:
+    """A budget, or several comma-separated ones (tune_batch.py --estimate's table)."""
     from .memory import BudgetError, parse_budget
     try:
-        parse_budget(text)
+        for part in str(text).split(','):
+            parse_budget(part)
     except BudgetError:
         return False
     return True
@@ -379,7 +381,8 @@ TRAIN_DOMAINS: Mapping[str, Domain] = {
 
 # tune_batch.py's own flags (it also takes every train.py flag, checked with TRAIN_DOMAINS).
 TUNE_DOMAINS: Mapping[str, Domain] = {
-    'mem_budget': Rule(_is_budget, "a size with a unit ('12GiB', '500MB') or a fraction of the device in (0, 1]"),
+    'mem_budget': Rule(_is_budget, "a size with a unit ('12GiB', '500MB') or a fraction of the device in (0, 1]; "
+                                   "with --estimate several, comma-separated"),
     'mem_headroom': FRACTION,
     'throughput_tol': FRACTION,
     'batch_multiple': POSITIVE_INT,
@@ -387,6 +390,7 @@ TUNE_DOMAINS: Mapping[str, Domain] = {
     'probe_start': POSITIVE_INT,
     'target_global_batch': POSITIVE_INT,
     'nproc': POSITIVE_INT,
+    'nnodes': POSITIVE_INT,
 }
 
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence
 
-__all__ = ['Topology', 'topology_from_torchrun_argv', 'topology_from_env', 'current_topology']
+__all__ = ['Topology', 'topology_from_torchrun_argv', 'topology_from_env', 'current_topology', 'planned_topology']
 
 _TORCHRUN_MODULE = 'torch.distributed.run'
 
@@ -120,3 +120,12 @@ def current_topology() -> Optional[Topology]:
     argv = _parent_argv()
     topology = topology_from_torchrun_argv(argv) if argv else None
     return topology if topology is not None else topology_from_env(os.environ)
+
+
+def planned_topology(nnodes: int, nproc_per_node: int) -> Optional[Topology]:
+    """The torchrun layout of a run planned for `nnodes` nodes (None for one node): a c10d rendezvous at MASTER_HOST,
+    the first node's address, for the user to fill in."""
+    if nnodes <= 1:
+        return None
+    return Topology(str(nnodes), str(nproc_per_node), rdzv_backend='c10d', rdzv_endpoint='MASTER_HOST:29500',
+                    rdzv_id='timm-train')
