@@ -36,7 +36,7 @@ from ..memory import PeakMeter, format_bytes, free_memory
 from ..oom import is_oom
 
 __all__ = [
-    'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
+    'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'SplitGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
     'Selection', 'HeadroomAccept', 'PeakModel', 'MAX_GROWTH', 'SETTLE_TOL', 'default_batch_multiple', 'default_grid',
     'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
     'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',
@@ -91,6 +91,8 @@ TrialFn = Callable[[int], Trial]
 class BatchGrid:
     """The batch sizes a search may try. Subclasses say which sizes are on the grid."""
 
+    descend_first = False  # after a failure with no fit and no model: try the next size down, not the middle
+
     def snap(self, size: int) -> int:
         """The largest grid size <= `size` (at least the smallest grid size)."""
         raise NotImplementedError
@@ -140,6 +142,23 @@ class MultipleGrid(BatchGrid):
         return list(range(max(first, self.multiple), high, self.multiple))
 
 
+@dataclass(frozen=True)
+class SplitGrid(BatchGrid):
+    """Only the micro-batches a set global batch can be split into (`sizes`): the question is which one fits, and
+    after a failure with nothing measured the next size down is the likeliest answer (the sizes are far apart)."""
+    sizes: Tuple[int, ...]
+    descend_first = True
+
+    def snap(self, size: int) -> int:
+        return max([s for s in self.sizes if s <= size] or [min(self.sizes)])
+
+    def between(self, low: int, high: int) -> List[int]:
+        return sorted(s for s in self.sizes if low < s < high)
+
+    def above(self, size: int) -> int:
+        return min([s for s in self.sizes if s > size] or [max(self.sizes)])
+
+
 # The fine step the search settles with when --batch-multiple is not given: tensor cores want batch (and channel)
 # sizes that are multiples of 8 for float16 / bfloat16 matmuls; a CPU has no such preference, so every size counts.
 DEFAULT_BATCH_MULTIPLE = {'cuda': 8}
@@ -180,6 +199,7 @@ def search_batch_size(
         accept: Optional[Callable[[Trial], bool]] = None,
         on_trial: Optional[Callable[[Trial], None]] = None,
         peak_limit: Optional[float] = None,
+        prior: Optional[Tuple[float, float]] = None,
 ) -> List[Trial]:
     """Find the largest accepted size on `grid`: aim at `peak_limit` when given, else grow x2 then bisect.
 
@@ -200,6 +220,9 @@ def search_batch_size(
             finds the boundary of the headroom, not of the cap. Default: every fit counts.
         on_trial: Called with each trial as soon as it is done (live logging, saving the table).
         peak_limit: The peak the chosen size may reach, in the trials' units (`HeadroomAccept.limit`); None: no aim.
+        prior: A predicted peak line (bytes at batch 0, bytes per sample) in the trials' units, e.g. the memory
+            estimate's (`timm_ext.probe.estimate`): the first trial aims by it, and one measured peak calibrates it
+            (scaled to the measurement) until a second size is measured.
 
     Returns:
         Every trial in the order run. The search stops at the first trial with status 'error' (it is the last
@@ -216,6 +239,10 @@ def search_batch_size(
     size: Optional[int] = grid.snap(start)
     if bounds.upper is not None and start >= bounds.upper:
         size = bounds.upper  # a probe down from the asked size tries that size first
+    if prior is not None and peak_limit is not None:
+        aim = PeakModel.from_prior(prior, peak_limit).aim(grid)
+        if aim is not None:
+            size = aim if bounds.upper is None else min(aim, bounds.upper)
     bisect, aimed = False, False
     while size is not None:
         width, fit_before = bounds.width(), bounds.fit
@@ -228,7 +255,7 @@ def search_batch_size(
         # a fit the model did not expect (it put the limit at the size before): the next such step is twice as long
         expected = model.aim(grid) if aimed and model is not None else None
         surprise = bounds.fit - fit_before if expected is not None and expected <= fit_before else 0
-        model = PeakModel.fit(trials, peak_limit)
+        model = PeakModel.fit(trials, peak_limit, prior)
         size, aimed = _next_size(bounds, model, bisect, surprise, SETTLE_TOL if peak_limit is not None else 0.0)
     return trials
 
@@ -276,6 +303,8 @@ def _next_size(bounds: _Bounds, model: Optional['PeakModel'], bisect: bool, surp
         return None, False
     aim = None if bisect or model is None else model.aim(bounds.grid)
     if aim is None or aim >= bounds.fail:  # no model, a misleading one, or one that a failure contradicts
+        if bounds.grid.descend_first and not bounds.fit:
+            return candidates[-1], False
         return candidates[(len(candidates) - 1) // 2], False  # bisect: the middle index of the remaining sizes
     return max(aim, candidates[0]), True
 
@@ -327,8 +356,15 @@ class PeakModel:
     peaks: Dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, trials: Sequence[Trial], limit: Optional[float]) -> Optional['PeakModel']:
-        """The model of the search's trials (re-timings left out), None without a limit or a usable slope."""
+    def from_prior(cls, prior: Tuple[float, float], limit: float) -> 'PeakModel':
+        """A predicted line (bytes at batch 0, bytes per sample) as a model, before any trial."""
+        return cls(limit, prior[1], 0, prior[0], False)
+
+    @classmethod
+    def fit(cls, trials: Sequence[Trial], limit: Optional[float],
+            prior: Optional[Tuple[float, float]] = None) -> Optional['PeakModel']:
+        """The model of the search's trials (re-timings left out), None without a limit or a usable slope. With one
+        measured size and a `prior` line, the prior scaled through the measurement (not a lower bound)."""
         if limit is None:
             return None
         peaks: Dict[int, int] = {}
@@ -343,6 +379,9 @@ class PeakModel:
         above = [b for b in sizes if b > anchor]
         if above:  # a measured peak on each side of the limit: the secant between them (regula falsi)
             slope = (peaks[above[0]] - peaks[anchor]) / (above[0] - anchor)
+        elif len(sizes) == 1 and prior is not None and prior[0] + prior[1] * sizes[0] > 0:
+            slope = prior[1] * peaks[sizes[0]] / (prior[0] + prior[1] * sizes[0])  # the estimate, calibrated here
+            return cls(limit, slope, anchor, peaks[anchor], False, peaks) if slope > 0 else None
         elif len(sizes) == 1:
             slope = peaks[sizes[0]] / sizes[0]
         else:

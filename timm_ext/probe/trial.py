@@ -335,6 +335,7 @@ def probe_train_batch(
         timed_steps: int = 1,
         on_trial: Optional[Callable[[Trial], None]] = None,
         retime_rounds: int = 2,
+        prior: Optional[Tuple[float, float]] = None,
 ) -> ProbeOutcome:
     """Probe the largest training batch under a memory cap and choose one.
 
@@ -355,6 +356,8 @@ def probe_train_batch(
         on_trial: Called with each trial as it completes.
         retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
             search skipped between them, again (`retime_trials`).
+        prior: The memory estimate's peak line in this budget's units, to aim the first trial and calibrate
+            (`search_batch_size`).
 
     Raises:
         BudgetError: The budget is larger than the device.
@@ -384,7 +387,7 @@ def probe_train_batch(
         accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)
         grid = grid or default_grid(device.type)
         trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
-                                   peak_limit=accept.limit)
+                                   peak_limit=accept.limit, prior=prior)
         if select == 'throughput':
             trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
     if isolate and not any(t.accepted for t in trials):

@@ -22,7 +22,8 @@ from timm.models import safe_model_name
 from ..atomic_files import atomic_text
 from ..memory import MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
 from ..probe.cache import ProbeCache, probe_key
-from ..probe.search import BatchGrid, NothingFitsError, default_grid, format_trial, select_batch_size, trials_to_json
+from ..probe.estimate import EstimateError, estimate_memory
+from ..probe.search import BatchGrid, NothingFitsError, SplitGrid, default_grid, format_trial, select_batch_size, trials_to_json
 from ..probe.trial import ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch
 from ..train.setup import SetupError, batch_multiple, build_datasets
 from .batch_choice import (
@@ -70,6 +71,7 @@ class ProbeRequest:
     trials_path: str
     phase: str = 'train'  # or 'eval': the evaluation forward (`TrainTrialSetup.eval_trials`)
     seconds_per_trial: Optional[float] = None  # wall time of one trial in the last probe run here (not cached)
+    prior: Optional[Tuple[float, float]] = None  # the memory estimate's peak line for training trials at this input
 
     def cache_key(self, select: str, max_batch: int, start: int) -> Dict[str, Any]:
         """The probe cache's key for this request probed with these settings."""
@@ -135,8 +137,9 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
             atomic_text(trials_to_json(table, request=key, complete=False), request.trials_path)
 
     try:
+        prior = request.prior if request.phase == 'train' else None  # the estimate is of the training step
         outcome = probe_train_batch(setup, request.budget, args.mem_headroom, probe_select, args.throughput_tol,
-                                    start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS)
+                                    start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS, prior)
     except NothingFitsError as e:
         raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
     if primary:
@@ -181,7 +184,10 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     needed = math.ceil(recipe_global / world_size)
     limit = min(max_batch, needed)
     started = time.perf_counter()
-    outcome = request.run('max', limit, start=limit)  # one trial when the recipe fits, a probe down when not
+    # only the micro-batches the plan could split the recipe's batch into are worth a trial: which of them fits
+    splits = SplitGrid(tuple(sorted({plan_run(args, m, world_size, recipe_global).micro_batch
+                                     for m in range(1, limit + 1)})))
+    outcome = dataclasses.replace(request, grid=splits).run('max', limit, start=limit)  # one trial if the recipe fits
     trial_s = time.perf_counter() - started
     plan = plan_run(args, outcome.selection.batch_size, world_size, recipe_global)
     who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
@@ -276,7 +282,7 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     if max_batch < 1:
         raise SetupError(f'the training split has fewer samples ({train_samples}) than ranks ({world_size})')
     request = ProbeRequest(args, setup, device, budget, budget.resolve(device), grid, world_size,
-                           os.path.splitext(config_path)[0] + '.trials.json')
+                           os.path.splitext(config_path)[0] + '.trials.json', prior=seed_estimate(args, device))
     recipe_global, set_by = recipe_global_batch(args, given, world_size)
     mode = schedule_mode(args, given)
     if mode in (EQUALISE, KEPT):
@@ -310,6 +316,27 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
     return tuned
+
+
+def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Tuple[float, float]]:
+    """The memory estimate's peak line (bytes at batch 0, bytes per sample) that aims the probe's first trial, or
+    None (and one line why) when the step cannot be traced; rank 0's under DDP, so every rank aims alike."""
+    prior, line = None, ''
+    if args.rank == 0:
+        try:
+            onednn = device.type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            estimate = estimate_memory(args, device.type, onednn)
+            prior = estimate.line()
+            line = (f'Estimate: peak ~ {format_bytes(prior[0])} + {format_bytes(prior[1])} per sample '
+                    f'({estimate.device.name}, traced in {estimate.seconds:.1f} s): the first trial aims by it.')
+        except (EstimateError, ValueError) as e:
+            line = f'Estimate: none ({e}); the probe searches without it.'
+        print(line, flush=True)
+    if args.distributed:
+        box = [prior]
+        dist.broadcast_object_list(box, src=0)
+        prior = box[0]
+    return prior
 
 
 def ramp_micro_limit(request: ProbeRequest, micro_batch: int, max_batch: int,
@@ -346,7 +373,9 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
                  build_train_trial(size_trial_args(args, input_size), request.device),
                  eval_samples=request.setup.eval_samples))
         label = 'x'.join(map(str, input_size[1:]))
-        return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json').run('max', limit, start)
+        prior = request.prior if tuple(input_size) == largest else None  # the estimate was of the largest size
+        return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json', prior=prior).run(
+            'max', limit, start)
 
     results = probe_schedule(schedule_inputs(args, largest[0]), probe_at, args.probe_start, request.grid, max_batch,
                              batch_multiple(args), wanted)
