@@ -12,16 +12,10 @@ import pytest
 import yaml
 from torch.distributed.run import get_args_parser
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, run_script, torchrun
 from timm_ext.launch import topology_from_env, topology_from_torchrun_argv
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
-
-
-def torchrun(*argv, cwd, timeout=300, env=None):
-    full_env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT), **(env or {})}
-    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                           *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
 
 
 def test_ranks_agree_when_one_rank_runs_out_alone(tmp_path):

@@ -208,7 +208,7 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     if not one_batch:
         lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept the recipe\'s.')
         return TunedRun(outcome, plan, lines=lines)
-    if args.select == 'auto' and not tuning_pays(run_s, cost_s):
+    if args.select == 'auto' and not rank0_decides(request, tuning_pays(run_s, cost_s)):
         lines.append(f'Kept it: the run is predicted at ~{run_s:.0f} s of training compute ({speed:.0f} samples/s '
                      f'measured), and judging a bigger batch would cost ~{cost_s:.0f} s, more than '
                      f'{MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
@@ -360,12 +360,13 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
     return TunedRun(top.outcome, plan, lines=lines, sizes=results, size_batches=batches)
 
 
-def eval_probe_pays(request: ProbeRequest, eval_s: float, cost_s: float) -> bool:
-    """`tuning_pays` for the eval probe, decided on rank 0 (wall times differ between ranks; all must agree)."""
-    pays = [tuning_pays(eval_s, cost_s)]
+def rank0_decides(request: ProbeRequest, decision: bool) -> bool:
+    """Rank 0's `decision` on every rank: a choice taken from wall times (which differ between ranks) and followed by
+    collectives must be the same everywhere, or the ranks enter different collectives and wait for ever."""
+    box = [decision]
     if request.args.distributed:
-        dist.broadcast_object_list(pays, src=0)
-    return pays[0]
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, epochs: int,
@@ -391,7 +392,7 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
     start = min(2 * micro, limit)
     per_trial = seconds_per_trial or (TIMED_STEPS + 1) * (trial.ms_per_step or 0.0) / 1000 * EVAL_MAX_FACTOR
     cost_s = 0.0 if request.is_cached('max', limit, start) else EVAL_PROBE_TRIALS * per_trial  # a cached one is free
-    if not eval_probe_pays(request, eval_s, cost_s):
+    if not rank0_decides(request, tuning_pays(eval_s, cost_s)):
         return None, None, [f'Eval batch: not probed: {passes} evaluations are predicted at ~{eval_s:.1f} s and '
                             f'{EVAL_PROBE_TRIALS} forward-only trials would cost ~{cost_s:.1f} s, more than '
                             f'{MAX_TUNE_SHARE:.0%} of that; train.py evaluates at the micro-batch {micro}.']
