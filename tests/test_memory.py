@@ -174,3 +174,16 @@ def test_cuda_peak_is_reserved_memory_the_cap_limits(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda d=None: 3 * GIB)
     monkeypatch.setattr(torch.cuda, 'max_memory_reserved', lambda d=None: 4 * GIB)
     assert PeakMeter(CUDA1).peak() == 4 * GIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='here the CUDA calls work; bench/gpu_check.sh breaks a real '
+                                                      'context (a device-side assert) to show the same')
+def test_cleanup_after_a_failure_does_not_raise_again_where_the_device_raises():
+    # a CPU build raises from every CUDA call, as a context broken by an illegal access does: the real raise we can
+    # have without a GPU
+    with pytest.raises(Exception):
+        memory_module.free_memory('cuda')
+    assert memory_module.free_memory_after_failure('cuda') is False
+    assert memory_module.device_broken('cuda')
+    assert memory_module.free_memory_after_failure('cpu') is True
+    assert not memory_module.device_broken('cpu')

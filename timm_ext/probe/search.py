@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..batch_decay import batch_descent, decay_batch_step
 from ..errors import TimmExtError
-from ..memory import PeakMeter, format_bytes, free_memory
+from ..memory import PeakMeter, device_broken, format_bytes, free_memory, free_memory_after_failure
 from ..oom import is_oom
 
 __all__ = [
@@ -585,6 +585,11 @@ def agree_across_ranks(run_trial: TrialFn) -> TrialFn:
         local = run_trial(batch_size)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
+        if local.status == ERROR and dist.get_backend() == 'nccl' and device_broken('cuda'):
+            # NCCL's object collectives stage through the broken device: stop here with the error, in one line
+            # (torchrun ends the peers waiting for this rank)
+            raise TrialError(f'rank {dist.get_rank()}: {local.error}; the device cannot run anything after it',
+                             [local])
         gathered: List[Optional[dict]] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local.to_dict())
         per_rank = [Trial.from_dict(d) for d in gathered]
@@ -694,7 +699,7 @@ def measured_trial(
                           samples_per_s=batch_size / seconds if timed else None)
         if before is not None:
             before()
-        free_memory(device)
+        (free_memory_after_failure if trial.status == ERROR else free_memory)(device)
         return trial
 
     if isolate:
