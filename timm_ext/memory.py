@@ -235,7 +235,8 @@ class MemoryCap:
 
     Attributes:
         device: The capped device.
-        budget: Bytes the budget allows (CPU: above `baseline`; CUDA: in total).
+        budget: Bytes the cap in force allows (CPU: above `baseline`, less than asked under a lower hard limit;
+            CUDA: in total).
         baseline: CPU: VmData + VmStk when the cap was set, the zero of peak measurements; CUDA: 0.
     """
     device: torch.device
@@ -280,7 +281,7 @@ def memory_cap(device: DeviceLike, budget: int) -> Iterator[MemoryCap]:
         limit = hard
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:
-        yield MemoryCap(device, budget, data_and_stack())
+        yield MemoryCap(device, limit - vmdata, data_and_stack())
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 

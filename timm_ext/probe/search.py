@@ -648,6 +648,7 @@ def measured_trial(
         before: Optional[Callable[[], None]] = None,
         isolate: bool = False,
         warmup: Optional[Callable[[int], object]] = None,
+        benchmark_warmup: bool = False,
 ) -> TrialFn:
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
@@ -667,6 +668,9 @@ def measured_trial(
         before: Called before each trial (reset gradients, optimizer state, scaler).
         isolate: CPU only: run each trial in a forked copy of this process (see `run_forked`).
         warmup: Runs a warm-up step instead of `step` (e.g. an update and then an eval pass); default `step`.
+        benchmark_warmup: Run the warm-up once more before the measured window, then reset (`before`) and free: with
+            `cudnn.benchmark` the first step at new shapes runs cuDNN's algorithm search, whose workspaces are sized
+            from the free memory, not the cap; the run pays that once, so it stays out of the peak.
     """
     device = torch.device(device)
     meter = meter or PeakMeter(device)
@@ -679,6 +683,13 @@ def measured_trial(
         free_memory(device)
         meter.reset()
         try:
+            if benchmark_warmup:
+                for _ in range(warmup_steps):
+                    (warmup or step)(batch_size)
+                if before is not None:
+                    before()
+                free_memory(device)
+                meter.reset()
             for _ in range(warmup_steps):
                 (warmup or step)(batch_size)
             _synchronize(device)
