@@ -348,7 +348,9 @@ class TrainLoop:
             nominal = len(window) * cfg.batch_size
             correction = nominal / window_samples if cfg.loss_weighting == 'samples' else 1.0
             if self.noise is not None:
-                amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
+                # the scale as a device tensor: get_scale() would read it on the host every update
+                scale = self.grad_scaler._get_scale_async() if self.grad_scaler is not None else None
+                amp_scale = scale if scale is not None else 1.0
                 self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
             if self.replay is None:
                 self.optimizer_update(correction)

@@ -77,8 +77,8 @@ class StopOnSignal:
 
     def requested(self, device: Optional[torch.device] = None) -> Optional[int]:
         """The signal that asks to stop, or None; the same answer on every rank under DDP (a collective)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signum
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.signum  # nothing to agree with: no collective, no host read
         flag = torch.tensor(self.signum or 0, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None
