@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..cuda_backends import CUDA_GRAPH_MODES
 from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .search import (
     ERROR, BatchGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
@@ -63,8 +64,6 @@ _logger = logging.getLogger(__name__)
 # scale, so no trial skips its optimizer step (gradients that underflow to zero cost the same step).
 PROBE_LOSS_SCALE = 1.0
 
-# torch.compile modes that record CUDA graphs, and the same compilation without them
-_CUDA_GRAPH_MODES = {'reduce-overhead': None, 'max-autotune': 'max-autotune-no-cudagraphs'}
 
 
 def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
@@ -74,7 +73,7 @@ def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
 
 def probe_compile_mode(mode: Optional[str]) -> Optional[str]:
     """The torch.compile mode probe trials use for the run's `--torchcompile-mode`: the same, less CUDA graphs."""
-    return _CUDA_GRAPH_MODES.get(mode, mode)
+    return CUDA_GRAPH_MODES.get(mode, mode)
 
 
 def schedule_inputs(args: argparse.Namespace, channels: int) -> List[Tuple[int, int, int]]:
