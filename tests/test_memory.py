@@ -109,6 +109,21 @@ def test_cap_is_lifted_on_keyboard_interrupt():
 
 
 @linux_only
+def test_the_cap_reports_the_bytes_in_force_under_a_lower_hard_limit():
+    result = run_python('''
+        import resource
+        from timm_ext.memory import memory_cap, proc_status
+        hard = proc_status('VmData')['VmData'] + (64 << 20)
+        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))  # a job limit below what the budget asks
+        with memory_cap('cpu', 1 << 30) as cap:
+            print('in force', round(cap.budget / (1 << 20)))
+    ''')
+    assert result.returncode == 0, result.stderr
+    in_force = int(result.stdout.split('in force ')[1].split()[0])
+    assert 60 <= in_force <= 64, result.stdout  # MiB: what the hard limit leaves, not the 1 GiB asked
+
+
+@linux_only
 def test_peak_meter_measures_what_the_cap_counts():
     result = run_python('''
         import torch
