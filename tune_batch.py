@@ -38,7 +38,6 @@ import subprocess
 import sys
 from typing import List, Optional, Set
 
-import torch
 import torch.distributed as dist
 from timm import utils
 
@@ -48,14 +47,13 @@ from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
-from timm_ext.memory import free_memory
 from timm_ext.probe.estimate import EstimateError, estimate_memory
 from timm_ext.probe.search import SELECT_MODES, NothingFitsError, die_with_parent
 from timm_ext.probe.trial import nothing_fits_advice
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs
-from timm_ext.tune.handover import exec_training
+from timm_ext.tune.handover import exec_training, release_probe
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
 from timm_ext.tune.plan import (
     TRAIN_WITH, config_values, extension_flags, planned_command, shell_line, train_command, tuned_config_text,
@@ -196,7 +194,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     primary = args.rank == 0
     config_path = args.tuned_config or default_config_path(args)
     tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
-    free_memory(device)
+    release_probe(device, bool(args.torchcompile))
 
     extension_dests = group_dests(parser, EXTENSIONS_GROUP)
     stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))  # train.py's keys, ours left out
@@ -238,9 +236,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         return 0
     if args.dry_run:
         return 0
-    # train here: the imports are paid once, and nothing of the probe is alive any more (see plan_tuned_run)
-    if args.torchcompile:
-        torch._dynamo.reset()  # the probe's compiled graphs would count toward the recompile limit of the same code
+    # train here: the imports are paid once, and nothing of the probe is alive any more (plan_tuned_run, release_probe)
     return load_train_script().main(command[2:])
 
 

@@ -13,6 +13,9 @@
 #   validate      validate.py --retry -b 4096 under a CUDA memory fraction (the probe must step down)
 #   oom-recover   train.py -b 512 --oom-recover under a memory fraction that forces a split
 #   noise fp16    train.py --log-noise-scale with float16 AMP (GradScaler), accumulation 4
+#   bench peak    a probe trial's peak with cuDNN's benchmark search inside / outside the measured window
+#   stop cost     samples/s with and without the old per-update stop flag (all-reduce read on the host)
+#   sticky error  a trial that breaks the CUDA context: one error trial, no second raise from the cleanup
 # Samples/s come from the wall clock between train.py's progress lines (each one syncs the GPU), after the first
 # two. One summary table at the end; the exit status is 1 if any part failed. --dry-run prints every command and
 # runs nothing. Logs and outputs go to DIR (default: output/gpu_check).
@@ -213,6 +216,17 @@ if run noise_fp16 240 "$PY" "$REPO/train.py" --data-dir "$DATA" "${MODEL[@]}" --
 else
   row 'noise fp16' FAIL "$ELAPSED" "see $OUT/noise_fp16.log"
 fi
+
+# ---- the CUDA defects only a GPU shows (bench/cuda_defects.py; each part its own process) ---------------------------
+for PART in 'bench peak:peak:300' 'stop cost:stop-cost:240' 'sticky error:sticky-error:120'; do
+  IFS=: read -r LABEL CHECK LIMIT <<< "$PART"
+  LOG="cuda_${CHECK//-/_}"
+  if run "$LOG" "$LIMIT" "$PY" "$REPO/bench/cuda_defects.py" "$CHECK"; then
+    [ "$DRY_RUN" = 1 ] || row "$LABEL" ok "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/$LOG.log" | tail -1 | cut -c9-)"
+  else
+    row "$LABEL" FAIL "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/$LOG.log" 2>/dev/null | tail -1 | cut -c9-) see $OUT/$LOG.log"
+  fi
+done
 
 [ "$DRY_RUN" = 1 ] && exit 0
 show_trials "$OUT/tune_max.log" 'tune_batch.py --select max'

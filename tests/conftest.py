@@ -31,3 +31,10 @@ def run_script(script: str, *args: str, timeout: float = 300, env: dict | None =
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT,
         preexec_fn=preexec_fn,
     )
+
+
+def torchrun(*argv, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a script on 2 local ranks (gloo on CPU) with torchrun's --standalone rendezvous (a free port of its own)."""
+    full_env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT), **(env or {})}
+    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)

@@ -21,11 +21,15 @@ def run_check(*argv: str) -> subprocess.CompletedProcess:
                           env={**os.environ, 'PYTHON': sys.executable}, cwd=REPO_ROOT)
 
 
-def load_tune_batch():
-    spec = importlib.util.spec_from_file_location('tune_batch_script', REPO_ROOT / 'tune_batch.py')
+def load_script(path: str):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3] + '_script', REPO_ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_tune_batch():
+    return load_script('tune_batch.py')
 
 
 @pytest.fixture(scope='module')
@@ -57,16 +61,20 @@ def script_argv(cmd):
 def test_dry_run_prints_every_part_of_the_check(commands):
     printed, stdout = commands
     names = [script_argv(cmd)[0] for cmd in printed]
-    assert names == ['python -c', 'tune_batch.py', 'tune_batch.py', 'train.py', 'validate.py', 'train.py', 'train.py']
+    assert names == ['python -c', 'tune_batch.py', 'tune_batch.py', 'train.py', 'validate.py', 'train.py', 'train.py',
+                     'cuda_defects.py', 'cuda_defects.py', 'cuda_defects.py']
     assert 'which then becomes: ' in stdout and 'train.py -c' in stdout
 
 
 def test_printed_commands_parse_with_the_settings_of_each_part(commands):
     printed, _ = commands
     tune_batch = load_tune_batch()
-    parsed = []
+    parsed, checks = [], []
     for cmd in printed[1:]:
         name, argv, fraction = script_argv(cmd)
+        if name == 'cuda_defects.py':
+            checks.append(load_script('bench/cuda_defects.py').build_parser().parse_args(argv).check)
+            continue
         if name == 'tune_batch.py':
             parser = tune_batch.build_tune_parser()
             args, _ = parse_args(argv, parser=parser)
@@ -91,6 +99,7 @@ def test_printed_commands_parse_with_the_settings_of_each_part(commands):
     assert (val.retry, val.batch_size, val.model) == (True, 4096, 'resnet50') and 0 < val_fraction < 1
     assert oom.oom_recover and 0 < oom_fraction < 1
     assert noise.log_noise_scale and noise.amp_dtype == 'float16' and noise.grad_accum_steps > 1
+    assert checks == ['peak', 'stop-cost', 'sticky-error']  # the CUDA defects only a GPU shows
 
 
 def test_a_real_run_needs_a_gpu_and_bad_arguments_are_one_line(tmp_path):

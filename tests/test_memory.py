@@ -109,6 +109,21 @@ def test_cap_is_lifted_on_keyboard_interrupt():
 
 
 @linux_only
+def test_the_cap_reports_the_bytes_in_force_under_a_lower_hard_limit():
+    result = run_python('''
+        import resource
+        from timm_ext.memory import memory_cap, proc_status
+        hard = proc_status('VmData')['VmData'] + (64 << 20)
+        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))  # a job limit below what the budget asks
+        with memory_cap('cpu', 1 << 30) as cap:
+            print('in force', round(cap.budget / (1 << 20)))
+    ''')
+    assert result.returncode == 0, result.stderr
+    in_force = int(result.stdout.split('in force ')[1].split()[0])
+    assert 60 <= in_force <= 64, result.stdout  # MiB: what the hard limit leaves, not the 1 GiB asked
+
+
+@linux_only
 def test_peak_meter_measures_what_the_cap_counts():
     result = run_python('''
         import torch
@@ -174,3 +189,16 @@ def test_cuda_peak_is_reserved_memory_the_cap_limits(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda d=None: 3 * GIB)
     monkeypatch.setattr(torch.cuda, 'max_memory_reserved', lambda d=None: 4 * GIB)
     assert PeakMeter(CUDA1).peak() == 4 * GIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='here the CUDA calls work; bench/gpu_check.sh breaks a real '
+                                                      'context (a device-side assert) to show the same')
+def test_cleanup_after_a_failure_does_not_raise_again_where_the_device_raises():
+    # a CPU build raises from every CUDA call, as a context broken by an illegal access does: the real raise we can
+    # have without a GPU
+    with pytest.raises(Exception):
+        memory_module.free_memory('cuda')
+    assert memory_module.free_memory_after_failure('cuda') is False
+    assert memory_module.device_broken('cuda')
+    assert memory_module.free_memory_after_failure('cpu') is True
+    assert not memory_module.device_broken('cpu')

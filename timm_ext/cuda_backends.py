@@ -3,13 +3,17 @@
 Stock timm's train.py and validate.py turn on `torch.backends.cuda.matmul.allow_tf32` and `cudnn.benchmark` when
 CUDA is there. A probe that times its trials without them times another regime (full fp32 matmuls, other cuDNN
 algorithms with other workspaces), so train.py, validate.py, tune_batch.py and the critical-batch warm-up all call
-`configure_cuda_backends` before their first CUDA work.
+`configure_cuda_backends` before their first CUDA work. `CUDA_GRAPH_MODES` names the torch.compile modes that record
+CUDA graphs, whose private memory pools `empty_cache` does not release.
 """
 from typing import Union
 
 import torch
 
-__all__ = ['configure_cuda_backends']
+__all__ = ['configure_cuda_backends', 'CUDA_GRAPH_MODES']
+
+# torch.compile modes that record CUDA graphs, and the same compilation without them
+CUDA_GRAPH_MODES = {'reduce-overhead': None, 'max-autotune': 'max-autotune-no-cudagraphs'}
 
 
 def configure_cuda_backends(device: Union[str, torch.device]) -> bool:

@@ -41,7 +41,7 @@ from .errors import TimmExtError
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
     'device_available_memory', 'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status',
-    'data_and_stack',
+    'data_and_stack', 'device_broken', 'free_memory_after_failure',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -235,7 +235,8 @@ class MemoryCap:
 
     Attributes:
         device: The capped device.
-        budget: Bytes the budget allows (CPU: above `baseline`; CUDA: in total).
+        budget: Bytes the cap in force allows (CPU: above `baseline`, less than asked under a lower hard limit;
+            CUDA: in total).
         baseline: CPU: VmData + VmStk when the cap was set, the zero of peak measurements; CUDA: 0.
     """
     device: torch.device
@@ -280,7 +281,7 @@ def memory_cap(device: DeviceLike, budget: int) -> Iterator[MemoryCap]:
         limit = hard
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:
-        yield MemoryCap(device, budget, data_and_stack())
+        yield MemoryCap(device, limit - vmdata, data_and_stack())
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
@@ -387,3 +388,29 @@ def free_memory(device: DeviceLike) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     elif device.type == 'cpu':
         _malloc_trim()
+
+
+def device_broken(device: DeviceLike) -> bool:
+    """Whether `device` can no longer run work: a sticky CUDA error (illegal memory access, device-side assert) makes
+    every later call on the context raise, a sync and a collective's own buffers included. CPU: never."""
+    if torch.device(device).type != 'cuda':
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - whatever the context raises, it is not usable
+        return True
+    return False
+
+
+def free_memory_after_failure(device: DeviceLike) -> bool:
+    """`free_memory` after a step failed with an error that is being reported: on a broken CUDA context the sync in
+    it raises again, and that second error (a raw traceback) would replace the first. Cleanup is skipped then.
+
+    Returns:
+        Whether the memory was freed (False: the device raised; the process should stop using it).
+    """
+    try:
+        free_memory(device)
+    except Exception:  # noqa: BLE001 - the first failure is the one to report
+        return False
+    return True

@@ -6,22 +6,17 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 from torch.distributed.run import get_args_parser
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, run_script, torchrun
 from timm_ext.launch import topology_from_env, topology_from_torchrun_argv
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
-
-
-def torchrun(*argv, cwd, timeout=300, env=None):
-    full_env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT), **(env or {})}
-    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                           *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
 
 
 def test_ranks_agree_when_one_rank_runs_out_alone(tmp_path):
@@ -127,3 +122,22 @@ def test_tune_batch_nproc_trains_with_the_command_its_ranks_planned(tmp_path, im
     limit = int(planned[planned.index('--batch-ramp-max-micro') + 1])
     assert yaml.safe_load((runs[0] / 'args.yaml').read_text())['batch_ramp_max_micro'] == limit  # what it trained with
     assert 'Distributed training: process 0 of 2' in result.stderr
+
+
+def test_an_error_in_a_trial_on_one_rank_ends_both_ranks_with_one_line(tmp_path, image_folder):
+    logs = tmp_path / 'logs'
+    started = time.monotonic()
+    result = torchrun('--log-dir', logs, '--redirects', '3', REPO_ROOT / 'tests' / 'probe' / 'trial_error_worker.py',
+                      '--data-dir', image_folder, '--model', 'test_resnet', '--device', 'cpu', '--num-classes', '3',
+                      '--img-size', '32', '-j', '0', '--mem-budget', '48MiB', '--target-global-batch', '16',
+                      '--no-cache', '--tuned-config', tmp_path / 'tuned.yaml', '--dry-run', cwd=tmp_path, timeout=240)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    errors = sorted(logs.rglob('stderr.log'), key=lambda p: p.parent.name)
+    assert [p.parent.name for p in errors] == ['0', '1'], result.stderr[-2000:]
+    for log in errors:
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        assert not any('Traceback' in line for line in lines), log.read_text()[-2000:]
+        failed = [line for line in lines if line.startswith('tune_batch.py: ')]
+        assert len(failed) == 1 and 'rank 1: ValueError: this step cannot take a batch of' in failed[0], lines
+    assert elapsed < 120, f'{elapsed:.0f} s: a rank waited for the other'

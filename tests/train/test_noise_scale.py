@@ -73,3 +73,43 @@ def test_state_dict_round_trip_continues_the_same_emas():
     assert resumed.num_updates == 3
     assert resumed.b_simple == pytest.approx(whole.b_simple, rel=1e-6)  # float32 tensors vs saved floats
     assert all(isinstance(v, (int, float)) for v in first.state_dict().values())  # no device tensors in checkpoints
+
+
+def test_float16_windows_cost_no_host_read_and_an_overflow_is_skipped_on_the_device():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from timm_ext.train.noise_monitor import NoiseScaleMonitor
+
+    class HostReads(TorchDispatchMode):  # every .item() / float() / bool() of a tensor goes through this op
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                HostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    monitor = NoiseScaleMonitor(model.parameters())
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
+
+    def window(poison: bool = False) -> None:
+        for _ in range(2):
+            monitor.before_backward()
+            loss = model(torch.randn(4, 6)).square().mean() * 0.5
+            scaler.scale(loss).backward()
+            monitor.after_backward(4, 0.5)
+        if poison:
+            model.weight.grad[0, 0] = math.inf  # what a float16 overflow leaves
+        with HostReads():
+            monitor.end_window(8, scaler._get_scale_async(), check_finite=True)
+        model.zero_grad(set_to_none=True)
+
+    window()
+    window()
+    assert HostReads.reads == 0
+    before = monitor.estimator.state_dict()
+    window(poison=True)
+    assert HostReads.reads == 0
+    assert monitor.estimator.state_dict() == before, 'the overflowed window must not move the estimate'
+    assert monitor.estimator.pairs == 4 and math.isfinite(monitor.estimator.g_sq)

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from timm.task import ClassificationTask
 
@@ -25,6 +26,7 @@ from conftest import REPO_ROOT
 from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.memory import memory_cap
 from timm_ext.train.oom_recovery import (
+    GradientAllReduce,
     MicroBatchSplitter, OomRecoveryError, is_recoverable_oom, split_batch,
 )
 from timm_ext.synthetic_data import make_image_folder
@@ -40,6 +42,29 @@ VIT = ['--model', 'test_vit', '--num-classes', '3', '--img-size', '224', '--devi
 
 
 # ---- splitter -----------------------------------------------------------------------------------------------------
+
+def test_gradient_allreduce_allocates_every_missing_gradient_before_its_first_collective(tmp_path, monkeypatch):
+    params = [nn.Parameter(torch.randn(n)) for n in (64, 8, 300, 5)]
+    for p in params[:2]:
+        p.grad = torch.ones_like(p)  # the others got no gradient this window: zeros must be made for them
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "store"}', rank=0, world_size=1)
+    try:
+        reduce = GradientAllReduce(params, 1, bucket_bytes=64 * 4)
+        seen = []
+        real = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            seen.append([p.grad is not None for p in params])
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, 'all_reduce', all_reduce)
+        reduce()
+    finally:
+        dist.destroy_process_group()
+    assert len(seen) == len(reduce.buckets) > 1
+    assert all(seen[0]), 'a gradient was allocated after a collective had started'
+    assert [p.grad.sum().item() for p in params] == [64.0, 8.0, 0.0, 0.0]
+
 
 def test_split_batch_cuts_tensors_and_dicts_into_views():
     x, y = torch.arange(14.).view(7, 2), torch.arange(7)

@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file
 from timm.models import create_model, load_checkpoint
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, run_script, torchrun
 from stock_spec import default_differences, load_spec
 from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.synthetic_data import make_image_folder
@@ -268,3 +268,16 @@ def test_default_cuda_device_without_cuda_is_one_line(image_folder, tmp_path):
     assert result.returncode == 1
     assert 'Traceback' not in result.stderr and 'pass --device cpu' in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / 'o').exists()
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo ranks under torchrun')
+def test_the_stop_flag_costs_no_host_sync_between_log_lines_and_still_stops_all_ranks(tmp_path):
+    report = tmp_path / 'stop'
+    result = torchrun(REPO_ROOT / 'tests' / 'train' / 'stop_cost_worker.py', report, cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f'stop.{rank}.json').read_text()) for rank in (0, 1)]
+    for got in ranks:
+        logged = [i for i, (all_reduces, reads) in enumerate(got['costs']) if all_reduces or reads]
+        assert logged == [0, 4, 8, 9], got['costs']  # log lines every 4 updates and the epoch's last, nothing between
+        # rank 1 alone was signalled, at update 1: every rank stops at the next log line
+        assert got['stopped'] == 'stopped by SIGTERM after epoch 1 update 4', got

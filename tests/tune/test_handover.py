@@ -11,10 +11,12 @@ import types
 import weakref
 
 import pytest
+import torch
 import yaml
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.probe import trial as probe_train
+from timm_ext.tune import handover
 from timm_ext.tune.handover import close_device_files_on_exec, end_child_processes
 from timm_ext.train.stack import build_training_stack
 
@@ -97,3 +99,33 @@ def test_worker_processes_are_ended_before_the_exec():
     worker.start()
     assert end_child_processes() >= 1
     assert not worker.is_alive() and worker.exitcode is not None
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self  # only the cycle collector frees it
+        self.tensor = torch.ones(1024)
+
+
+def test_in_process_handover_resets_dynamo_then_collects_then_frees_the_device(monkeypatch):
+    order = []
+    gc.disable()  # the cycle must not go by chance before the handover collects it
+    leftover = weakref.ref(_Cycle().tensor)
+    real_reset, real_collect, real_free = torch._dynamo.reset, gc.collect, handover.free_memory
+    monkeypatch.setattr(torch._dynamo, 'reset', lambda: (order.append('dynamo reset'), real_reset())[1])
+    monkeypatch.setattr(gc, 'collect', lambda *a: (order.append('gc'), real_collect(*a))[1])
+
+    def free_memory(device):
+        order.append('free_memory')
+        assert leftover() is None, 'the probe\'s garbage must be gone before the allocator\'s cache is emptied'
+        real_free(device)
+
+    monkeypatch.setattr(handover, 'free_memory', free_memory)
+    try:
+        handover.release_probe(torch.device('cpu'), compiled=True)
+    finally:
+        gc.enable()
+    assert order[:3] == ['dynamo reset', 'gc', 'free_memory']
+    order.clear()
+    handover.release_probe(torch.device('cpu'), compiled=False)
+    assert order[:2] == ['gc', 'free_memory']

@@ -5,16 +5,20 @@ import importlib.util
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from timm_ext.distributed import init_device
 from timm_ext.errors import UsageError
 from timm_ext.probe.search import FIT, MultipleGrid, Selection, Trial
-from timm_ext.probe.trial import ProbeOutcome
+from timm_ext.probe.trial import ProbeOutcome, build_train_trial
 from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.args import parse_args
+from timm_ext.tune import tuner
 from timm_ext.tune.img_sizes import (
     EQUALISE, KEPT, RECIPE, SizeResult, average_batch, check_kept_fits, format_size_table, plan_schedule,
     probe_schedule, scaled_start, schedule_inputs, schedule_mode, shape_cache_note, size_trial_args,
@@ -150,6 +154,25 @@ def test_the_cpu_shape_cache_note_only_where_the_cache_is_on(monkeypatch):
     assert shape_cache_note(torch.device('cuda')) == []
     monkeypatch.setenv('ONEDNN_PRIMITIVE_CACHE_CAPACITY', '0')
     assert shape_cache_note(torch.device('cpu')) == []
+
+
+def test_the_largest_sizes_setup_is_released_before_the_smaller_sizes_are_probed(tmp_path):
+    args, _ = init_device(namespace('--device', 'cpu', '--num-classes', '3', '--img-size', '64', *SIZES))
+    setup = build_train_trial(args, torch.device('cpu'))
+    largest = weakref.ref(setup)
+    seen = []
+
+    class Recording(tuner.ProbeRequest):
+        def run(self, select, max_batch, start=None):
+            seen.append((self.setup.input_size, largest() is not None))
+            trial = Trial(4, FIT, peak_bytes=1, ms_per_step=1.0, samples_per_s=4000.0)
+            return ProbeOutcome(Selection(4, 'fits', trial, [trial]), 1 << 30, 'stub', 'cpu')
+
+    request = Recording(args, setup, torch.device('cpu'), None, 1 << 30, MultipleGrid(2), 1, str(tmp_path / 't.json'))
+    del setup
+    tuned = tuner.tune_schedule(request, EQUALISE, 64, set())
+    assert seen == [((3, 64, 64), True), ((3, 48, 48), False), ((3, 32, 32), False)]
+    assert tuned.size_batches == [4, 4, 4]
 
 
 # ---- a real schedule under a real cap ----------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..batch_decay import batch_descent, decay_batch_step
 from ..errors import TimmExtError
-from ..memory import PeakMeter, format_bytes, free_memory
+from ..memory import PeakMeter, device_broken, format_bytes, free_memory, free_memory_after_failure
 from ..oom import is_oom
 
 __all__ = [
@@ -624,6 +624,11 @@ def agree_across_ranks(run_trial: TrialFn) -> TrialFn:
         local = run_trial(batch_size)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
+        if local.status == ERROR and dist.get_backend() == 'nccl' and device_broken('cuda'):
+            # NCCL's object collectives stage through the broken device: stop here with the error, in one line
+            # (torchrun ends the peers waiting for this rank)
+            raise TrialError(f'rank {dist.get_rank()}: {local.error}; the device cannot run anything after it',
+                             [local])
         gathered: List[Optional[dict]] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local.to_dict())
         per_rank = [Trial.from_dict(d) for d in gathered]
@@ -682,6 +687,7 @@ def measured_trial(
         before: Optional[Callable[[], None]] = None,
         isolate: bool = False,
         warmup: Optional[Callable[[int], object]] = None,
+        benchmark_warmup: bool = False,
 ) -> TrialFn:
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
@@ -701,6 +707,9 @@ def measured_trial(
         before: Called before each trial (reset gradients, optimizer state, scaler).
         isolate: CPU only: run each trial in a forked copy of this process (see `run_forked`).
         warmup: Runs a warm-up step instead of `step` (e.g. an update and then an eval pass); default `step`.
+        benchmark_warmup: Run the warm-up once more before the measured window, then reset (`before`) and free: with
+            `cudnn.benchmark` the first step at new shapes runs cuDNN's algorithm search, whose workspaces are sized
+            from the free memory, not the cap; the run pays that once, so it stays out of the peak.
     """
     device = torch.device(device)
     meter = meter or PeakMeter(device)
@@ -713,6 +722,13 @@ def measured_trial(
         free_memory(device)
         meter.reset()
         try:
+            if benchmark_warmup:
+                for _ in range(warmup_steps):
+                    (warmup or step)(batch_size)
+                if before is not None:
+                    before()
+                free_memory(device)
+                meter.reset()
             for _ in range(warmup_steps):
                 (warmup or step)(batch_size)
             _synchronize(device)
@@ -733,7 +749,7 @@ def measured_trial(
                           samples_per_s=batch_size / seconds if timed else None)
         if before is not None:
             before()
-        free_memory(device)
+        (free_memory_after_failure if trial.status == ERROR else free_memory)(device)
         return trial
 
     if isolate:

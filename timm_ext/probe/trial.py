@@ -5,8 +5,9 @@ train.py's own builder (`timm_ext.train.stack`) and loop (`timm_ext.train.loop.T
 dtype, channels_last and gradient checkpointing, the task and loss, the optimizer (`create_optimizer_v2`), the EMA
 copy, AMP and the gradient scaler, torch.compile. A trial at batch size b then runs a warm-up (an update, which
 allocates the optimizer state, and the eval pass in shapes, below) and timed updates, on random inputs of the
-largest size the run will see, directly on the device. Under DDP the trial adds a buffer the size of the gradients
-for DDP's gradient buckets but runs no collective inside the step, so a rank that fails alone cannot leave the
+largest size the run will see, directly on the device, holding the prefetcher's next batch as train.py's loader does.
+Under DDP the trial (the evaluation forward too) adds a buffer the size of the gradients for DDP's gradient buckets,
+resident for the whole run, but runs no collective inside the step, so a rank that fails alone cannot leave the
 others waiting.
 
 Three things differ from the run on purpose, each to keep a trial one honest, self-contained step:
@@ -38,11 +39,12 @@ import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from ..cuda_backends import CUDA_GRAPH_MODES
 from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .search import (
     ERROR, BatchGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
@@ -53,8 +55,8 @@ from ..train.setup import SetupError, mixup_active, with_values
 from ..train.stack import TrainingStack, build_training_stack
 
 __all__ = ['TrainTrialSetup', 'build_train_trial', 'trial_loop', 'trial_train_step', 'schedule_inputs',
-           'probe_input_size', 'ProbeOutcome',
-           'probe_train_batch', 'probe_grad_scaler', 'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
+           'probe_input_size', 'ProbeOutcome', 'probe_train_batch', 'probe_grad_scaler', 'probe_compile_mode',
+           'PROBE_LOSS_SCALE', 'eval_batch_shapes', 'check_step_runs', 'budget_after_warmup']
 
 _logger = logging.getLogger(__name__)
 
@@ -62,8 +64,6 @@ _logger = logging.getLogger(__name__)
 # scale, so no trial skips its optimizer step (gradients that underflow to zero cost the same step).
 PROBE_LOSS_SCALE = 1.0
 
-# torch.compile modes that record CUDA graphs, and the same compilation without them
-_CUDA_GRAPH_MODES = {'reduce-overhead': None, 'max-autotune': 'max-autotune-no-cudagraphs'}
 
 
 def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
@@ -73,7 +73,7 @@ def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
 
 def probe_compile_mode(mode: Optional[str]) -> Optional[str]:
     """The torch.compile mode probe trials use for the run's `--torchcompile-mode`: the same, less CUDA graphs."""
-    return _CUDA_GRAPH_MODES.get(mode, mode)
+    return CUDA_GRAPH_MODES.get(mode, mode)
 
 
 def schedule_inputs(args: argparse.Namespace, channels: int) -> List[Tuple[int, int, int]]:
@@ -224,9 +224,8 @@ def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: Train
     """One training update of random inputs at a batch size, holding what DDP would hold besides (the trial's step,
     and the memory estimate's on fake tensors)."""
     task, model_dtype = stack.task, stack.model_dtype
-    params = [p for p in task.get_trainable_module().parameters() if p.requires_grad]
-    # DDP keeps its gradient buckets, about one more copy of the gradients, for the whole run
-    bucket_bytes = sum(p.numel() * p.element_size() for p in params) if args.world_size > 1 else 0
+    bucket_bytes = _ddp_bucket_bytes(args, stack)
+    prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
     splits = max(1, args.aug_splits)  # AugMix splits put `splits` views of each image into a batch
     num_classes = stack.resolved.num_classes
     soft = mixup_active(args)
@@ -241,13 +240,23 @@ def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: Train
         else:
             target = torch.randint(0, num_classes, (rows,), device=device)
         input, target = loop.prepare_batch(input, target)
+        held = [(torch.empty_like(input), torch.empty_like(target)) for _ in range(prefetched)]
         loop.forward_backward(input, target, weight=1.0, sync=True)
         loop.optimizer_update()
         updates[0] += 1
         task.update_ema(step=updates[0])
-        del buckets
+        del buckets, held
 
     return step
+
+
+def _ddp_bucket_bytes(args: argparse.Namespace, stack: TrainingStack) -> int:
+    """DDP's gradient buckets, about one more copy of the gradients, resident for the whole run (evaluation
+    included); 0 on one process."""
+    if args.world_size <= 1:
+        return 0
+    return sum(p.numel() * p.element_size() for p in stack.task.get_trainable_module().parameters()
+               if p.requires_grad)
 
 
 def _eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_input_size: Tuple[int, ...],
@@ -255,9 +264,11 @@ def _eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_input_siz
     """One evaluation forward of random inputs at a batch size, as train.py evaluates between epochs."""
     eval_model, model_dtype = stack.task.get_eval_model(), stack.model_dtype
     prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
+    bucket_bytes = _ddp_bucket_bytes(args, stack)
 
     def forward(batch_size: int) -> None:
         shape = (batch_size,) + eval_input_size
+        buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=device) if bucket_bytes else None
         held = [torch.randn(shape, device=device, dtype=model_dtype) for _ in range(prefetched)]
         input = torch.randn(shape, device=device, dtype=model_dtype)
         if args.channels_last:
@@ -268,7 +279,7 @@ def _eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_input_siz
                 eval_model(input)
         finally:
             eval_model.train()
-        del input, held
+        del input, held, buckets
 
     return forward
 
@@ -325,7 +336,7 @@ class ProbeOutcome:
 
 def probe_train_batch(
         setup: TrainTrialSetup,
-        budget: MemoryBudget,
+        budget: Union[MemoryBudget, int],
         headroom: float = 0.1,
         select: str = 'max',
         throughput_tol: float = 0.05,
@@ -345,7 +356,8 @@ def probe_train_batch(
 
     Args:
         setup: The training trial (`build_train_trial`).
-        budget: The memory budget (`timm_ext.memory.parse_budget`).
+        budget: The memory budget (`timm_ext.memory.parse_budget`), resolved after the first step; or its bytes,
+            resolved by the caller (`budget_after_warmup`).
         headroom: Fraction of the budget the chosen batch must leave free, judged on measured peak memory.
         select: 'max' or 'throughput' (see `select_batch_size`).
         throughput_tol: Tolerance of the throughput choice.
@@ -364,24 +376,19 @@ def probe_train_batch(
         NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
     """
     device = setup.device
-    budget_bytes = budget.resolve(device)
-    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
     # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.search.run_forked`)
     isolate = device.type == 'cpu'
-    uncapped = agree_across_ranks(measured_trial(setup.step, device, before=setup.reset, isolate=isolate))
-
-    def fail_if_broken_without_cap() -> None:
-        # a step that fails without any cap is the run's own failure, not an out-of-memory
-        check = uncapped(min(start, 2))
-        if check.status == ERROR:
-            raise TrialError(f'a training step fails before any memory cap ({context}): {check.error}', [check])
-
     if not isolate:
-        fail_if_broken_without_cap()  # on CUDA this first update also sets up kernels and library workspaces
+        check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
+    # resolved after that first update: what it took outside the allocator is no longer free for the budget
+    budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
+    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
     with memory_cap(device, budget_bytes) as cap:
+        budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
         trial: TrialFn = measured_trial(
             setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
-            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup)
+            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
+            benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark)
         trial = agree_across_ranks(trial)
         # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
         accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)
@@ -392,7 +399,7 @@ def probe_train_batch(
             trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
     if isolate and not any(t.accepted for t in trials):
         # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
-        fail_if_broken_without_cap()
+        check_step_runs(setup, start)
     selection = select_batch_size(trials, select, throughput_tol, context)
     # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
     chosen = _smallest_over_ranks(selection.batch_size, device)
@@ -400,6 +407,29 @@ def probe_train_batch(
         pick = next(t for t in trials if t.batch_size == chosen)
         selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
     return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+
+
+def check_step_runs(setup: TrainTrialSetup, start: int = 2) -> None:
+    """One uncapped trial at a tiny batch (all ranks together): a step that fails without any cap is the run's own
+    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles.
+
+    Raises:
+        TrialError: The step fails; one line naming the run.
+    """
+    uncapped = agree_across_ranks(measured_trial(setup.step, setup.device, before=setup.reset,
+                                                 isolate=setup.device.type == 'cpu'))
+    check = uncapped(min(start, 2))
+    if check.status == ERROR:
+        raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '
+                         f'{device_name(setup.device)}): {check.error}', [check])
+
+
+def budget_after_warmup(setup: TrainTrialSetup, budget: MemoryBudget) -> int:
+    """The budget in bytes as trials will see it: on CUDA resolved after one step has run (`check_step_runs`), since
+    that step's kernels and library handles take memory outside the allocator that a fraction must not count."""
+    if setup.device.type == 'cuda':
+        check_step_runs(setup)
+    return budget.resolve(setup.device)
 
 
 def _smallest_over_ranks(value: int, device: torch.device) -> int:

@@ -150,8 +150,9 @@ class TrainLoop:
         lr_scheduler: A timm scheduler; its ``step_update`` is called once per update.
         save_recovery: Called as ``save_recovery(epoch, update_idx)`` every ``cfg.recovery_interval`` updates, and
             when `stop` asks to stop; returns the checkpoint written (None where this rank does not save).
-        stop: Asked after every update whether a signal wants the run to stop (`timm_ext.train.stop_signal`); if so, the
-            update is saved as a recovery checkpoint and `TrainingStopped` raised.
+        stop: Asked after every update (under DDP after every log-line update: the ranks' agreement is a host sync)
+            whether a signal wants the run to stop (`timm_ext.train.stop_signal`); if so, the update is saved as a
+            recovery checkpoint and `TrainingStopped` raised.
     """
 
     def __init__(
@@ -347,7 +348,9 @@ class TrainLoop:
             nominal = len(window) * cfg.batch_size
             correction = nominal / window_samples if cfg.loss_weighting == 'samples' else 1.0
             if self.noise is not None:
-                amp_scale = self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0
+                # the scale as a device tensor: get_scale() would read it on the host every update
+                scale = self.grad_scaler._get_scale_async() if self.grad_scaler is not None else None
+                amp_scale = scale if scale is not None else 1.0
                 self.noise.end_window(window_samples, amp_scale, correction, check_finite=self.grad_scaler is not None)
             if self.replay is None:
                 self.optimizer_update(correction)
@@ -363,14 +366,18 @@ class TrainLoop:
                 self.save_recovery(epoch, update_idx)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step_update(num_updates=num_updates)
-            self._stop_if_asked(epoch, update_idx, where)
+            self._stop_if_asked(epoch, update_idx, updates_per_epoch, where)
 
         if hasattr(self.optimizer, 'sync_lookahead'):
             self.optimizer.sync_lookahead()
         return {'loss': meter.mean_loss()}
 
-    def _stop_if_asked(self, epoch: int, update_idx: int, where: str) -> None:
-        signum = self.stop.requested(self.cfg.device) if self.stop is not None else None
+    def _stop_if_asked(self, epoch: int, update_idx: int, updates_per_epoch: int, where: str) -> None:
+        if self.stop is None:
+            return
+        if self.cfg.distributed and not is_log_update(update_idx, self.cfg.log_interval, updates_per_epoch):
+            return  # the ranks agree (a collective read on the host) only where the loop syncs for its log line
+        signum = self.stop.requested(self.cfg.device)
         if signum:
             saved = self.save_recovery(epoch, update_idx) if self.save_recovery is not None else None
             raise TrainingStopped(signum, where, saved)
@@ -380,6 +387,12 @@ class TrainLoop:
     ) -> Dict[str, float]:
         """`evaluate` with this loop's settings and autocast."""
         return evaluate(model, loader, loss_fn, self.cfg, self.amp_autocast, tta, log_suffix)
+
+
+def is_log_update(update_idx: int, log_interval: int, updates_per_epoch: int) -> bool:
+    """Whether update `update_idx` of an epoch logs a line (every `log_interval`, and the last): the loop's only host
+    syncs between epochs."""
+    return update_idx % log_interval == 0 or update_idx == updates_per_epoch - 1
 
 
 def apply_update(task: nn.Module, optimizer: torch.optim.Optimizer, cfg: LoopConfig,
@@ -497,7 +510,7 @@ class _EpochMeter:
             torch.cuda.synchronize()
         now = time.time()
         update_time, self.update_start = now - self.update_start, now
-        if update_idx % cfg.log_interval != 0 and update_idx != self.updates_per_epoch - 1:
+        if not is_log_update(update_idx, cfg.log_interval, self.updates_per_epoch):
             return
         self._log(update_idx, window_loss / window_samples, window_samples, update_time, data_time)
         if cfg.save_images_dir and torch.is_tensor(input):

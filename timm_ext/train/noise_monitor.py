@@ -11,7 +11,7 @@ import io
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -102,28 +102,31 @@ class NoiseScaleMonitor:
     def reset_window(self) -> None:
         self._parts, self._micro = [], []
 
-    def end_window(self, window_samples: int, amp_scale: float = 1.0, correction: float = 1.0,
+    def end_window(self, window_samples: int, amp_scale: Union[float, torch.Tensor] = 1.0, correction: float = 1.0,
                    check_finite: bool = False) -> None:
         """Pair this window's gradients and feed the estimator.
 
         Args:
             window_samples: Samples this rank trained in the window (every rank the same).
-            amp_scale: The AMP loss scale every gradient carries (1.0 without a GradScaler).
+            amp_scale: The AMP loss scale every gradient carries (1.0 without a GradScaler; the scaler's device
+                tensor, so that reading it costs no host sync).
             correction: What the optimizer update multiplies `.grad` by to make it the window's mean.
-            check_finite: Skip the window when the gradients overflowed (float16 AMP; reads one value on the host).
+            check_finite: Skip the window when the gradients overflowed (float16 AMP). Decided on the device, except
+                when each window is kept (`keep_windows`), which reads one value on the host.
         """
         micro, self._micro = self._micro, []
         if not micro or (self.world_size == 1 and len(micro) == 1):
             return  # one process, one micro-batch: the window is the micro-batch, one batch size only
-        big_sq = squared_norm(grads_of(self.params)) / (float(amp_scale) / correction) ** 2
-        if check_finite and not torch.isfinite(big_sq).item():
+        big_sq = squared_norm(grads_of(self.params)) / (amp_scale / correction) ** 2
+        valid = torch.isfinite(big_sq) if check_finite else None
+        if valid is not None and self.windows is not None and not valid.item():
             return
-        amp_sq = float(amp_scale) ** 2
+        amp_sq = amp_scale ** 2
         big_samples = window_samples * self.world_size
         pairs = [two_batch_estimates(sq / (amp_sq * weight * weight), samples, big_sq, big_samples)
                  for sq, samples, weight in micro]
         for g_sq, trace_sigma in pairs:
-            self.estimator.add_estimates(g_sq, trace_sigma)
+            self.estimator.add_estimates(g_sq, trace_sigma, None if self.windows is not None else valid)
         if self.windows is not None:
             self.windows.append((sum(p[0] for p in pairs) / len(pairs), sum(p[1] for p in pairs) / len(pairs)))
 
@@ -136,7 +139,7 @@ class NoiseScaleMonitor:
     def summary(self, device: torch.device) -> NoiseScaleSummary:
         """The current estimate, averaged over ranks under DDP (a collective: every rank calls it)."""
         est = self.estimator
-        grad_sq, trace_sigma, pairs = est.g_sq, est.trace_sigma, est.num_updates
+        grad_sq, trace_sigma, pairs = est.g_sq, est.trace_sigma, est.pairs
         if self.world_size > 1:
             values = reduce_mean(torch.tensor([grad_sq, trace_sigma, pairs], dtype=torch.float64, device=device),
                                  self.world_size)

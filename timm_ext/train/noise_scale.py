@@ -9,7 +9,7 @@ Values stay tensors (no host sync) until read.
 """
 import math
 import random
-from typing import Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -46,18 +46,30 @@ class NoiseScaleEstimator:
         """Add one (small batch, big batch) pair of squared gradient norms."""
         self.add_estimates(*two_batch_estimates(small_sq, b_small, big_sq, b_big))
 
-    def add_estimates(self, g_sq: Number, trace_sigma: Number) -> None:
-        """Add one pair's unbiased (|G|², tr(Σ)) estimates (`two_batch_estimates`)."""
+    def add_estimates(self, g_sq: Number, trace_sigma: Number, valid: Optional[torch.Tensor] = None) -> None:
+        """Add one pair's unbiased (|G|², tr(Σ)) estimates (`two_batch_estimates`).
+
+        Args:
+            valid: A boolean device tensor: the pair counts only where it is true (a float16 window that overflowed
+                does not), decided on the device so the host never waits for it. None: the pair counts.
+        """
         keep = self.ema_decay
-        self._g_sq = keep * self._g_sq + (1 - keep) * g_sq
-        self._trace_sigma = keep * self._trace_sigma + (1 - keep) * trace_sigma
-        self._weight = keep * self._weight + (1 - keep)
-        self.num_updates += 1
+        g_next = keep * self._g_sq + (1 - keep) * g_sq
+        trace_next = keep * self._trace_sigma + (1 - keep) * trace_sigma
+        weight_next = keep * self._weight + (1 - keep)
+        if valid is None:
+            self._g_sq, self._trace_sigma, self._weight = g_next, trace_next, weight_next
+            self.num_updates += 1
+            return
+        self._g_sq = torch.where(valid, g_next, self._g_sq)
+        self._trace_sigma = torch.where(valid, trace_next, self._trace_sigma)
+        self._weight = torch.where(valid, weight_next, self._weight)
+        self.num_updates = self.num_updates + valid.long()
 
     def state_dict(self) -> Dict[str, float]:
         """The EMAs as plain numbers, for a checkpoint (reads device values once)."""
-        return {'g_sq': float(self._g_sq), 'trace_sigma': float(self._trace_sigma), 'weight': self._weight,
-                'num_updates': self.num_updates}
+        return {'g_sq': float(self._g_sq), 'trace_sigma': float(self._trace_sigma), 'weight': float(self._weight),
+                'num_updates': self.pairs}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
         """Continue the EMAs of a checkpoint (`state_dict`), so a resumed run does not start them over."""
@@ -65,14 +77,21 @@ class NoiseScaleEstimator:
         self._weight, self.num_updates = state['weight'], int(state['num_updates'])
 
     @property
+    def pairs(self) -> int:
+        """Pairs counted so far (reads a device value once)."""
+        return int(self.num_updates)
+
+    @property
     def g_sq(self) -> float:
         """EMA of the true gradient's squared norm |G|² (nan before the first update)."""
-        return float(self._g_sq) / self._weight if self._weight else math.nan
+        weight = float(self._weight)
+        return float(self._g_sq) / weight if weight else math.nan
 
     @property
     def trace_sigma(self) -> float:
         """EMA of the per-sample gradient variance tr(Σ) (nan before the first update)."""
-        return float(self._trace_sigma) / self._weight if self._weight else math.nan
+        weight = float(self._weight)
+        return float(self._trace_sigma) / weight if weight else math.nan
 
     @property
     def b_simple(self) -> float:

@@ -199,7 +199,8 @@ class GradientAllReduce:
     into its flat buffer while the previous one is in flight. The buffers (two per dtype, the size of the largest
     bucket that needs one) are allocated here, before training takes the memory, and reused: an all-reduce that
     allocated could run out of memory on one rank after its peers had entered the collective, a hang no agreement
-    can prevent. A lone contiguous gradient is reduced in place, without a buffer.
+    can prevent. What a call must still allocate (zeros for a missing gradient, a buffer for a layout not foreseen)
+    is allocated before its first collective. A lone contiguous gradient is reduced in place, without a buffer.
 
     Args:
         params: The trainable parameters (the model's layout, channels_last included, already applied).
@@ -226,23 +227,25 @@ class GradientAllReduce:
         """Elements held in flat buffers (for tests and memory accounting)."""
         return sum(b.numel() for pair in self._buffers.values() for b in pair)
 
-    def _flat(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """The flat buffer a bucket goes through: the next of its dtype's two, or (a layout not foreseen when the
-        buffers were made) a fresh one."""
+    def _fresh(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A flat buffer of its own for a bucket whose layout was not foreseen when the buffers were made (None: the
+        bucket is reduced in place, or one of its dtype's two buffers serves)."""
+        if len(grads) == 1 and grads[0].is_contiguous():
+            return None
         numel = sum(g.numel() for g in grads)
-        key = (grads[0].dtype, grads[0].device)
-        pair = self._buffers.get(key)
-        if pair is None or pair[0].numel() < numel:
-            return torch.empty(numel, dtype=key[0], device=key[1])
-        turn = self._next[key]
-        self._next[key] = 1 - turn
-        return pair[turn][:numel]
+        pair = self._buffers.get((grads[0].dtype, grads[0].device))
+        return torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device) if (
+            pair is None or pair[0].numel() < numel) else None
 
-    def _launch(self, grads: List[torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+    def _launch(self, grads: List[torch.Tensor], fresh: Optional[torch.Tensor]) -> Tuple[Any, torch.Tensor]:
         if len(grads) == 1 and grads[0].is_contiguous():
             flat = grads[0]
         else:
-            flat = self._flat(grads)
+            flat = fresh
+            if flat is None:  # the next of the dtype's two buffers (the one before it is still in flight)
+                key = (grads[0].dtype, grads[0].device)
+                turn, self._next[key] = self._next[key], 1 - self._next[key]
+                flat = self._buffers[key][turn][:sum(g.numel() for g in grads)]
             views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
             torch._foreach_copy_(views, grads)
         return dist.all_reduce(flat, async_op=True), flat
@@ -256,14 +259,16 @@ class GradientAllReduce:
             torch._foreach_copy_(grads, views)
 
     def __call__(self) -> None:
+        # everything allocated first (zeros for a missing gradient, a buffer not foreseen): an OOM here leaves this
+        # rank outside every collective, not half-way through the buckets its peers are reducing
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket_grads = [[p.grad for p in bucket] for bucket in self.buckets]
+        fresh = [self._fresh(grads) for grads in bucket_grads]
         in_flight = None
-        for bucket in self.buckets:
-            grads = []
-            for p in bucket:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            launched = (*self._launch(grads), grads)
+        for grads, buffer in zip(bucket_grads, fresh):
+            launched = (*self._launch(grads, buffer), grads)
             if in_flight is not None:
                 self._finish(*in_flight)
             in_flight = launched

@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.nn as nn
 
-from ..memory import free_memory
+from ..memory import device_broken, free_memory
 from .noise_monitor import NoiseScaleMonitor
 from .oom_recovery import (
     FAILED, OK, OOM, GradientAllReduce, MicroBatchSplitter, OomRecoveryError, RankFailed, WindowOutOfMemory,
@@ -231,6 +231,8 @@ class WindowReplay:
         the same decision, after the window's one status all-reduce."""
         if not self.distributed:
             return WindowOutOfMemory([0], failure.reason) if failure is not None else None
+        if failure is not None and failure.error is not None and device_broken(self.device):
+            raise failure.error  # the agreement's own tensor would fail on this context and hide the error
         statuses = agree_status(OK if failure is None else failure.status, self.rank, self.world_size, self.device)
         if failure is not None and failure.error is not None:
             raise failure.error

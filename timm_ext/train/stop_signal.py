@@ -7,7 +7,9 @@ asks `StopOnSignal.requested` after each complete update. The loop then saves a 
 shell reports a process ended by that signal. A second Ctrl-C interrupts at once (KeyboardInterrupt).
 
 Under DDP the ranks may see the signal at different updates; `requested` takes the maximum over ranks, so all of
-them stop after the same update and none waits in a collective for a rank that has left.
+them stop after the same update and none waits in a collective for a rank that has left. That answer is read on the
+host (a sync on CUDA), so the loop asks only on its log-line updates, where it syncs anyway: a signal stops a DDP run
+at most `--log-interval` updates after it arrives.
 """
 import signal
 from pathlib import Path
@@ -75,8 +77,8 @@ class StopOnSignal:
 
     def requested(self, device: Optional[torch.device] = None) -> Optional[int]:
         """The signal that asks to stop, or None; the same answer on every rank under DDP (a collective)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signum
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.signum  # nothing to agree with: no collective, no host read
         flag = torch.tensor(self.signum or 0, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None

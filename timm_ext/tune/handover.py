@@ -9,6 +9,8 @@ Signals, the exit status and the terminal go straight to the training, as if it 
 Two things would survive `execv`: a file descriptor not marked close-on-exec (the GPU driver's device files, on
 which its memory and context hang, are left to the driver to mark: `close_device_files_on_exec` marks them all), and
 child processes such as DataLoader workers (`end_child_processes` ends them).
+
+When tune_batch.py trains in its own process instead, `release_probe` lets go of what the probe left first.
 """
 import gc
 import logging
@@ -18,10 +20,13 @@ import subprocess
 import sys
 from typing import Sequence, Tuple
 
+import torch
+
 from ..errors import TimmExtError
+from ..memory import free_memory
 
 __all__ = ['DEVICE_FILE_PREFIXES', 'HandoverError', 'close_device_files_on_exec', 'end_child_processes',
-           'exec_training']
+           'exec_training', 'release_probe']
 
 # NVIDIA's driver files, and AMD/Intel GPU compute and render nodes
 DEVICE_FILE_PREFIXES = ('/dev/nvidia', '/dev/kfd', '/dev/dri/')
@@ -29,6 +34,17 @@ DEVICE_FILE_PREFIXES = ('/dev/nvidia', '/dev/kfd', '/dev/dri/')
 
 class HandoverError(TimmExtError):
     """The training command could not be started; the message is one line."""
+
+
+def release_probe(device: torch.device, compiled: bool) -> None:
+    """Release what the probe left before training starts in this process, in the order that frees it all: dynamo's
+    caches first (its compiled graphs would also count toward the recompile limit of the same code), then the garbage
+    that leaves (reference cycles only `gc` breaks), then the caching allocator's blocks and peak stats
+    (`free_memory`): blocks still referenced when the cache is emptied stay reserved."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    free_memory(device)
 
 
 def close_device_files_on_exec(prefixes: Tuple[str, ...] = DEVICE_FILE_PREFIXES) -> int:

@@ -20,11 +20,15 @@ import torch.distributed as dist
 from timm.models import safe_model_name
 
 from ..atomic_files import atomic_text
-from ..memory import MemoryBudget, device_name, format_bytes, parse_budget, physical_memory
+from ..memory import MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory
 from ..probe.cache import ProbeCache, probe_key
 from ..probe.estimate import EstimateError, estimate_memory
-from ..probe.search import BatchGrid, NothingFitsError, SplitGrid, default_grid, format_trial, select_batch_size, trials_to_json
-from ..probe.trial import ProbeOutcome, TrainTrialSetup, build_train_trial, nothing_fits_advice, probe_train_batch
+from ..probe.search import (
+    BatchGrid, NothingFitsError, SplitGrid, default_grid, format_trial, select_batch_size, trials_to_json,
+)
+from ..probe.trial import (
+    ProbeOutcome, TrainTrialSetup, budget_after_warmup, build_train_trial, nothing_fits_advice, probe_train_batch,
+)
 from ..train.setup import SetupError, batch_multiple, build_datasets
 from .batch_choice import (
     MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
@@ -62,7 +66,7 @@ def default_config_path(args: argparse.Namespace) -> str:
 class ProbeRequest:
     """What every probe of one tune_batch.py run shares: the run's trial, the device and budget, where to report."""
     args: argparse.Namespace
-    setup: TrainTrialSetup
+    setup: Optional[TrainTrialSetup]  # None once a schedule's probes released it (`tune_schedule`)
     device: torch.device
     budget: MemoryBudget
     budget_bytes: int
@@ -138,7 +142,7 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
 
     try:
         prior = request.prior if request.phase == 'train' else None  # the estimate is of the training step
-        outcome = probe_train_batch(setup, request.budget, args.mem_headroom, probe_select, args.throughput_tol,
+        outcome = probe_train_batch(setup, budget_bytes, args.mem_headroom, probe_select, args.throughput_tol,
                                     start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS, prior)
     except NothingFitsError as e:
         raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
@@ -216,7 +220,7 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     if not one_batch:
         lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept the recipe\'s.')
         return TunedRun(outcome, plan, lines=lines)
-    if args.select == 'auto' and not tuning_pays(run_s, cost_s):
+    if args.select == 'auto' and not rank0_decides(request, tuning_pays(run_s, cost_s)):
         lines.append(f'Kept it: the run is predicted at ~{run_s:.0f} s of training compute ({speed:.0f} samples/s '
                      f'measured), and judging a bigger batch would cost ~{cost_s:.0f} s, more than '
                      f'{MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
@@ -281,8 +285,11 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
     if max_batch < 1:
         raise SetupError(f'the training split has fewer samples ({train_samples}) than ranks ({world_size})')
-    request = ProbeRequest(args, setup, device, budget, budget.resolve(device), grid, world_size,
+    # one resolution for every probe of the run (and its cache keys), after a first step took what it takes outside
+    # the allocator
+    request = ProbeRequest(args, setup, device, budget, budget_after_warmup(setup, budget), grid, world_size,
                            os.path.splitext(config_path)[0] + '.trials.json', prior=seed_estimate(args, device))
+    del setup  # the request holds it; a schedule's probes release it while they probe the smaller sizes
     recipe_global, set_by = recipe_global_batch(args, given, world_size)
     mode = schedule_mode(args, given)
     if mode in (EQUALISE, KEPT):
@@ -311,6 +318,8 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     if 'validation_batch_size' in given:
         tuned.eval_lines = [f'Eval batch: --validation-batch-size {args.validation_batch_size} as given; not probed.']
     elif dataset_eval is not None:
+        # a schedule's probes released the run's setup (`tune_schedule`): the eval probe builds it again
+        setup = request.setup or dataclasses.replace(build_train_trial(args, device), eval_samples=len(dataset_eval))
         eval_request = dataclasses.replace(request, setup=setup.eval_trials(tuned.plan.micro_batch), phase='eval',
                                            trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
@@ -367,11 +376,18 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
     wanted = list(args.train_batch_sizes) if mode == KEPT else None
     base = os.path.splitext(request.trials_path)[0]
 
+    eval_samples = request.setup.eval_samples
+
     def probe_at(input_size: Tuple[int, int, int], start: int, limit: int) -> ProbeOutcome:
-        # the run's own setup where it already trains at this size; else one for this size, released after
-        setup = (request.setup if tuple(input_size) == largest else dataclasses.replace(
-                 build_train_trial(size_trial_args(args, input_size), request.device),
-                 eval_samples=request.setup.eval_samples))
+        # the run's own setup where it already trains at this size (probed first); a smaller size gets one of its own,
+        # released after, and the largest's goes first: its weights and EMA would count in a CUDA budget
+        if tuple(input_size) == largest:
+            setup = request.setup
+        else:
+            request.setup = None
+            free_memory(request.device)
+            setup = dataclasses.replace(build_train_trial(size_trial_args(args, input_size), request.device),
+                                        eval_samples=eval_samples)
         label = 'x'.join(map(str, input_size[1:]))
         prior = request.prior if tuple(input_size) == largest else None  # the estimate was of the largest size
         return dataclasses.replace(request, setup=setup, trials_path=f'{base}.{label}.json', prior=prior).run(
@@ -391,12 +407,13 @@ def tune_schedule(request: ProbeRequest, mode: str, max_batch: int, given: Set[s
     return TunedRun(top.outcome, plan, lines=lines, sizes=results, size_batches=batches)
 
 
-def eval_probe_pays(request: ProbeRequest, eval_s: float, cost_s: float) -> bool:
-    """`tuning_pays` for the eval probe, decided on rank 0 (wall times differ between ranks; all must agree)."""
-    pays = [tuning_pays(eval_s, cost_s)]
+def rank0_decides(request: ProbeRequest, decision: bool) -> bool:
+    """Rank 0's `decision` on every rank: a choice taken from wall times (which differ between ranks) and followed by
+    collectives must be the same everywhere, or the ranks enter different collectives and wait for ever."""
+    box = [decision]
     if request.args.distributed:
-        dist.broadcast_object_list(pays, src=0)
-    return pays[0]
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, epochs: int,
@@ -422,7 +439,7 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
     start = min(2 * micro, limit)
     per_trial = seconds_per_trial or (TIMED_STEPS + 1) * (trial.ms_per_step or 0.0) / 1000 * EVAL_MAX_FACTOR
     cost_s = 0.0 if request.is_cached('max', limit, start) else EVAL_PROBE_TRIALS * per_trial  # a cached one is free
-    if not eval_probe_pays(request, eval_s, cost_s):
+    if not rank0_decides(request, tuning_pays(eval_s, cost_s)):
         return None, None, [f'Eval batch: not probed: {passes} evaluations are predicted at ~{eval_s:.1f} s and '
                             f'{EVAL_PROBE_TRIALS} forward-only trials would cost ~{cost_s:.1f} s, more than '
                             f'{MAX_TUNE_SHARE:.0%} of that; train.py evaluates at the micro-batch {micro}.']

@@ -22,6 +22,7 @@ from timm.utils import accuracy, random_seed, reparameterize_model, set_jit_fuse
 
 from ..amp import AmpChoice, resolve_amp
 from ..batch_decay import decay_batch_step
+from ..cuda_backends import CUDA_GRAPH_MODES
 from ..distributed import DeviceError, check_cuda_index
 from ..errors import TimmExtError
 from .hub import is_download_error, pretrained_unavailable
@@ -360,6 +361,8 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
             smaller = next_smaller_batch(batch_size, None if total is None else total - totals.samples)
             _logger.warning(f'Batch size {batch_size} ran out of memory after {totals.samples} samples '
                             f'({one_line(e)}); continuing at {smaller}.')
+            if em.device.type == 'cuda' and args.torchcompile and args.torchcompile_mode in CUDA_GRAPH_MODES:
+                torch._dynamo.reset()  # the failed size's graphs keep their private pools past empty_cache
             _release(e, em.device)
             del loader
             if not smaller:
