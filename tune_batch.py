@@ -38,6 +38,7 @@ import subprocess
 import sys
 from typing import List, Optional, Set
 
+import torch
 import torch.distributed as dist
 from timm import utils
 

@@ -20,7 +20,6 @@ for themselves, what the allocator holds beyond each request, and what the runti
   matmuls, linear layers and attention (where the activations are). None of this has been checked on a GPU yet:
   `bench/gpu_check.sh` compares it with `torch.cuda.max_memory_reserved`.
 """
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 

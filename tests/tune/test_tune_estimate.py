@@ -1,0 +1,64 @@
+"""tune_batch.py --estimate (no real trial, any machine) and the probe seeded by the estimate."""
+import re
+import sys
+
+import yaml
+
+from conftest import REPO_ROOT, run_script
+
+SMALL = ['--model', 'test_resnet', '--img-size', '32', '--num-classes', '3', '--workers', '0']
+
+
+def test_estimate_plans_a_cuda_run_on_32_gpus_without_a_gpu_or_the_data(tmp_path):
+    config = tmp_path / 'plan.yaml'
+    done = run_script('tune_batch.py', '--data-dir', tmp_path / 'not-here', *SMALL, '--amp', '--device', 'cuda',
+                      '--mem-budget', '1GiB,24GiB,80GiB', '--estimate', '--nproc', '8', '--nnodes', '4',
+                      '--target-global-batch', '4096', '--tuned-config', config)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert 'Estimate (no real trial ran)' in out and 'not yet checked on a GPU' in out  # it states its assumptions
+    rows = re.findall(r'^\s+(1GiB|24GiB|80GiB)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)', out, re.M)
+    assert [r[0] for r in rows] == ['1GiB', '24GiB', '80GiB']
+    fits = [int(r[1]) for r in rows]
+    assert fits[0] < fits[1] < fits[2]  # more memory, a bigger micro-batch
+    for _, _, micro, accum, global_batch in rows:
+        assert int(micro) * 32 * int(accum) == int(global_batch) == 4096  # the recipe's global batch kept on 32 GPUs
+    text = config.read_text()
+    values = yaml.safe_load(text)
+    assert values['batch_size'] * values['grad_accum_steps'] * 32 == 4096  # stock keys
+    assert '# Estimate (no real trial ran)' in text
+    assert '--nnodes=4' in out and '--nproc-per-node=8' in out
+
+
+def test_estimate_on_cpu_prints_the_per_batch_table_by_category(tmp_path):
+    done = run_script('tune_batch.py', '--data-dir', tmp_path, *SMALL, '--device', 'cpu', '--mem-budget', '256MiB',
+                      '--estimate', '--select', 'max', '--tuned-config', tmp_path / 'c.yaml')
+    assert done.returncode == 0, done.stderr
+    head = next(line for line in done.stdout.splitlines() if line.strip().startswith('batch'))
+    for category in ('weights', 'gradients', 'optimizer', 'activations', 'temporaries', 'runtime', 'peak'):
+        assert category in head
+
+
+def test_bad_budget_lists_are_one_line_errors(tmp_path):
+    for extra, needle in ((['--mem-budget', '1GiB,2GiB'], 'several budgets are for --estimate'),
+                          (['--mem-budget', '0.5', '--estimate', '--device', 'cuda'], 'needs the GPU'),
+                          (['--mem-budget', '1GiB,lots', '--estimate'], '--mem-budget'),
+                          (['--nnodes', '2'], '--nnodes')):
+        done = run_script('tune_batch.py', '--data-dir', tmp_path, *SMALL, *extra)
+        assert done.returncode != 0
+        assert needle in done.stderr and 'Traceback' not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) <= 2  # usage line and the error
+
+
+def test_a_model_the_estimate_cannot_trace_is_probed_without_it(image_folder, tmp_path):
+    import subprocess
+    done = subprocess.run([sys.executable, str(REPO_ROOT / 'tests' / 'tune' / 'untraceable_tune.py'), str(REPO_ROOT),
+                           '--data-dir', str(image_folder), '--model', 'untraceable_test_model', '--img-size', '32',
+                           '--num-classes', '3', '--workers', '0', '--device', 'cpu', '--mem-budget', '256MiB',
+                           '--select', 'max', '--max-batch', '8', '--dry-run', '--no-cache',
+                           '--tuned-config', str(tmp_path / 'u.yaml'), '--output', str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith('Estimate:'))
+    assert 'cannot be traced on fake tensors' in line and 'searches without it' in line
+    assert (tmp_path / 'u.yaml').exists()
