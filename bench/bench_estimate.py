@@ -1,0 +1,92 @@
+"""The memory estimate against real CPU trials: predicted largest batch vs a fresh-process oracle, per model.
+
+    python bench/bench_estimate.py                       # six families, 1 GiB, oneDNN off and on
+    python bench/bench_estimate.py --models resnet18:112 --budget 1GiB --onednn off
+
+The oracle is the largest batch whose warm-up update and one timed update hold under the cap (RLIMIT_DATA), each
+trial forked from a fresh process that has built the run (as the probe's CPU trials are): doubled, then bisected to
+within 2%. The estimate is `tune_batch.py --estimate`'s: the largest batch predicted within the budget, no
+headroom. Memory figures only: nothing here is timed but the estimate itself.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DEFAULT_MODELS = ('resnet18:112', 'efficientnet_b0:128', 'convnext_atto:128', 'vit_tiny_patch16_224:224',
+                  'regnetx_004:128', 'mobilenetv3_large_100:128')
+CALIBRATED_ON = {'resnet18', 'efficientnet_b0', 'convnext_atto', 'vit_tiny_patch16_224'}  # device_memory's fit
+
+
+def run_args(model: str, img: str):
+    from timm_ext.train.args import parse_args
+    args, _ = parse_args(['--model', model, '--img-size', img, '--device', 'cpu', '--num-classes', '1000'])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    return args
+
+
+def oracle(model: str, img: str, budget: str, onednn: bool) -> int:
+    """The largest batch that holds under the cap, in a fresh process (this script, --oracle)."""
+    cmd = [sys.executable, __file__, '--oracle', f'{model}:{img}', '--budget', budget, '--onednn',
+           'on' if onednn else 'off']
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return int(out.strip().split()[-1])
+
+
+def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
+    import torch
+    from timm_ext.memory import PeakMeter, memory_cap, parse_budget
+    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.trial import build_train_trial
+    torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = onednn
+    cpu = torch.device('cpu')
+    setup = build_train_trial(run_args(model, img), cpu)
+    with memory_cap(cpu, parse_budget(budget).resolve(cpu)) as cap:
+        trial = measured_trial(setup.step, cpu, PeakMeter(cpu, cap.baseline), warmup_steps=1, timed_steps=1,
+                               capped=True, before=setup.reset, isolate=True)
+        fit, fail, size = 0, None, 16
+        while fail is None or fail - fit > max(1, fit // 50):
+            if trial(size).fits:
+                fit = size
+            else:
+                fail = size
+            size = size * 2 if fail is None else (fit + fail) // 2
+    return fit
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS), metavar='MODEL:IMG')
+    parser.add_argument('--budget', default='1GiB')
+    parser.add_argument('--onednn', choices=('off', 'on', 'both'), default='both')
+    parser.add_argument('--oracle', default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.oracle:
+        print(oracle_here(*args.oracle.split(':'), args.budget, args.onednn == 'on'))
+        return 0
+    from timm_ext.memory import parse_budget
+    from timm_ext.probe.estimate import estimate_memory
+    budget = parse_budget(args.budget).num_bytes
+    settings = {'off': [False], 'on': [True], 'both': [False, True]}[args.onednn]
+    print(f'| model | img | oneDNN | estimate | oracle | estimate / oracle | estimate s | calibration |')
+    print('|---|---|---|---|---|---|---|---|')
+    for spec in args.models:
+        model, img = spec.split(':')
+        for onednn in settings:
+            started = time.perf_counter()
+            predicted = estimate_memory(run_args(model, img), 'cpu', onednn).largest_batch(budget)
+            seconds = time.perf_counter() - started
+            real = oracle(model, img, args.budget, onednn)
+            role = 'fitted on' if model in CALIBRATED_ON else 'held out'
+            print(f'| {model} | {img} | {"on" if onednn else "off"} | {predicted} | {real} | {predicted / real:.2f} | '
+                  f'{seconds:.1f} | {role} |', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
