@@ -363,8 +363,8 @@ class PeakModel:
     @classmethod
     def fit(cls, trials: Sequence[Trial], limit: Optional[float],
             prior: Optional[Tuple[float, float]] = None) -> Optional['PeakModel']:
-        """The model of the search's trials (re-timings left out), None without a limit or a usable slope. With one
-        measured size and a `prior` line, the prior scaled through the measurement (not a lower bound)."""
+        """The model of the search's trials (re-timings left out), None without a limit or a usable slope. With a
+        `prior` line and no measured size above the largest fit, the prior scaled through that fit."""
         if limit is None:
             return None
         peaks: Dict[int, int] = {}
@@ -379,8 +379,9 @@ class PeakModel:
         above = [b for b in sizes if b > anchor]
         if above:  # a measured peak on each side of the limit: the secant between them (regula falsi)
             slope = (peaks[above[0]] - peaks[anchor]) / (above[0] - anchor)
-        elif len(sizes) == 1 and prior is not None and prior[0] + prior[1] * sizes[0] > 0:
-            slope = prior[1] * peaks[sizes[0]] / (prior[0] + prior[1] * sizes[0])  # the estimate, calibrated here
+        elif prior is not None and prior[0] + prior[1] * anchor > 0:
+            # the estimate scaled through the largest fit: steadier than a slope between sampled peaks close together
+            slope = prior[1] * peaks[anchor] / (prior[0] + prior[1] * anchor)
             return cls(limit, slope, anchor, peaks[anchor], False, peaks) if slope > 0 else None
         elif len(sizes) == 1:
             slope = peaks[sizes[0]] / sizes[0]
