@@ -9,7 +9,8 @@ import pytest
 
 from timm_ext.batch_decay import batch_descent
 from timm_ext.probe.search import (
-    MAX_GROWTH, SETTLE_TOL, DecayGrid, MultipleGrid, NothingFitsError, PeakModel, Trial, TrialError, agree_across_ranks,
+    MAX_GROWTH, SETTLE_TOL, DecayGrid, MultipleGrid, NothingFitsError, PeakModel, SplitGrid, Trial, TrialError,
+    agree_across_ranks,
     default_batch_multiple, default_grid, format_trial, headroom_accept, retime_candidates, retime_trials,
     search_batch_size, select_batch_size, timing_spread, trials_to_json,
 )
@@ -468,3 +469,30 @@ def test_throughput_selection_on_a_real_sweep():
     best = max(speeds.values())
     assert speeds[out['chosen']] >= 0.95 * best
     assert all(speeds[b] < 0.95 * best for b in speeds if b < out['chosen']), 'a smaller size was within 5%'
+
+
+def _linear_trial(per_sample: int, fixed: int, cap: int):
+    """A trial whose peak is fixed + per_sample x batch, an OOM above `cap` bytes."""
+    def run(batch_size: int) -> Trial:
+        peak = fixed + per_sample * batch_size
+        return Trial(batch_size, 'fit', peak_bytes=peak) if peak <= cap else Trial(batch_size, 'oom', error='OOM')
+    return run
+
+
+def test_a_split_grid_tries_only_splits_and_stops_below_an_asked_size_that_is_not_one():
+    trials = search_batch_size(_linear_trial(1, 0, 10 ** 9), 7, 7, SplitGrid((2, 4, 6)))
+    assert [t.batch_size for t in trials] == [6]  # 7 is not a split: the largest split under it, once
+    trials = search_batch_size(_linear_trial(100, 0, 2000), 64, 64, SplitGrid((8, 16, 32, 64)))
+    assert [t.batch_size for t in trials] == [64, 32, 16]  # down, one split at a time: 16 fits, 32 did not
+
+
+def test_a_prior_aims_the_first_trial_and_one_peak_calibrates_it():
+    limit = 900
+    # the true line is 10% steeper than the prior: the first aim over-reaches a little, the calibrated one lands
+    run = _linear_trial(110, 100, 1000)
+    trials = search_batch_size(run, 2, None, MultipleGrid(1), accept=lambda t: t.peak_bytes <= limit,
+                               peak_limit=limit, prior=(100.0, 100.0))
+    assert trials[0].batch_size == 8  # (900 - 100) / 100
+    assert len(trials) <= 3
+    best = max(t.batch_size for t in trials if t.accepted)
+    assert best == (limit - 100) // 110  # 7: the largest within the limit by the true line

@@ -152,6 +152,9 @@ class SplitGrid(BatchGrid):
     def snap(self, size: int) -> int:
         return max([s for s in self.sizes if s <= size] or [min(self.sizes)])
 
+    def upper(self, max_batch: int) -> int:
+        return self.snap(max_batch)  # nothing between the largest split and the asked size is a split
+
     def between(self, low: int, high: int) -> List[int]:
         return sorted(s for s in self.sizes if low < s < high)
 
