@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import math
 import os
+from typing import List
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import yaml
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.arg_checks import (
-    TRAIN_DOMAINS, TUNE_DOMAINS, folder_problem, numeric_dests, split_problem, writable_file_problem,
+    TRAIN_DOMAINS, TUNE_DOMAINS, folder_problem, split_problem, writable_file_problem,
 )
 from timm_ext.atomic_files import atomic_torch_save
 from timm_ext.train.args import build_parser, parse_args
@@ -131,6 +132,11 @@ def _one_error_line(capsys) -> str:
 
 def _script(name):
     return next(s for s in _scripts() if s[0] == name)
+
+
+def numeric_dests(parser: argparse.ArgumentParser) -> List[str]:
+    """Dests of `parser` that take numbers (int or float type): each must have a domain."""
+    return [a.dest for a in parser._actions if a.type in (int, float)]
 
 
 def test_every_numeric_flag_has_a_domain():

@@ -18,7 +18,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 from PIL import Image
 
@@ -26,7 +26,7 @@ from .amp import AMP_DTYPES, MODEL_DTYPES
 
 __all__ = [
     'COMMON_DOMAINS', 'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'check_values',
-    'flag_defaults', 'flag_names', 'folder_problem', 'numeric_dests', 'split_problem', 'writable_file_problem',
+    'flag_defaults', 'flag_names', 'folder_problem', 'split_problem', 'writable_file_problem',
 ]
 
 Count = Union[int, Tuple[int, int], None]
@@ -486,8 +486,3 @@ def split_problem(flag: str, root: str, split: str, hint: str = '') -> Optional[
         return (f'{flag} {split!r}: no such folder in {root} (it has {", ".join(s + "/" for s in splits)}); '
                 f'timm would read those split folders as classes{hint}')
     return None
-
-
-def numeric_dests(parser: argparse.ArgumentParser) -> List[str]:
-    """Dests of `parser` that take numbers (int or float type): each must have a domain."""
-    return [a.dest for a in parser._actions if a.type in (int, float)]
