@@ -293,6 +293,26 @@ def test_a_global_batch_set_on_the_command_line_is_kept_with_one_trial(tmp_path,
     assert 'validation_batch_size' not in yaml.safe_load(config.read_text())
 
 
+@pytest.mark.parametrize('flags, target', [
+    (['--target-global-batch', '7', '--mixup', '0.2'], 7),  # odd under mixup: the nearest even plan
+    (['--target-global-batch', '37', *BUDGET], 37),  # prime, more than fits: no exact split
+    (['--target-global-batch', '12'], 12),  # splits exactly
+])
+def test_the_report_never_states_a_decision_and_then_its_opposite(tmp_path, image_folder, flags, target):
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, image_folder, *flags, '--tuned-config', config, '--dry-run'))
+    micro, accum = planned(config)
+    exact = micro * accum == target
+    lines = out.splitlines()
+    said_exact = [i for i, line in enumerate(lines) if 'Kept it exactly' in line or 'exactly (' in line]
+    said_other = [i for i, line in enumerate(lines) if f'instead of {target}' in line or 'no split' in line]
+    assert bool(said_exact) is exact and bool(said_other) is not exact, out
+    assert f'global batch {micro * accum} = {micro} x 1 x {accum}' in out
+    if not exact:  # the first word on the global batch already names the one the run takes
+        first = next(line for line in lines if line.startswith("The recipe's global batch"))
+        assert f'the nearest, global batch {micro * accum}' in first and 'Kept the nearest' in out, out
+
+
 def test_a_global_batch_set_in_the_yaml_is_kept_and_split_when_it_does_not_fit(tmp_path, image_folder):
     recipe = tmp_path / 'recipe.yaml'
     recipe.write_text('batch_size: 24\nopt: adamw\n')

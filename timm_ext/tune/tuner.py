@@ -194,9 +194,12 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
         else:
             why = f'a batch of {needed} per rank does not fit'
         how = f'is built from micro-batches of {plan.micro_batch} x {plan.accum_steps} accumulation: {why}.'
-    lines = [f'The recipe\'s global batch {recipe_global} ({who}) {how}']
+    exact = plan.global_batch == recipe_global
+    nearest = '' if exact else f' has no split this run can take; the nearest, global batch {plan.global_batch},'
+    kept = 'it exactly' if exact else f'the nearest ({plan.global_batch}, see the accumulation line)'
+    lines = [f'The recipe\'s global batch {recipe_global} ({who}){nearest} {how}']
     if args.select == 'auto' and set_by:
-        lines.append('Kept it exactly: --select auto chooses only the micro-batch and accumulation of a global batch '
+        lines.append(f'Kept {kept}: --select auto chooses only the micro-batch and accumulation of a global batch '
                      'the recipe sets (--select critical would judge a bigger one).')
         return TunedRun(outcome, plan, lines=lines)
     speed = outcome.selection.trial.samples_per_s or 0.0
@@ -206,12 +209,13 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     # the estimate's small micro-batches run slower than the recipe's: count them at half its speed
     cost_s = SEARCH_TRIALS * per_trial_s + 2 * estimate_samples(estimate_micro, world_size) / max(speed, 1e-9)
     if not one_batch:
-        lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept the recipe\'s.')
+        lines.append('A bigger global batch would need more accumulation, which adds no samples/s: kept '
+                     + ('the recipe\'s.' if exact else f'the nearest, {plan.global_batch}.'))
         return TunedRun(outcome, plan, lines=lines)
     if args.select == 'auto' and not tuning_pays(run_s, cost_s):
-        lines.append(f'Kept it: the run is predicted at ~{run_s:.0f} s of training compute ({speed:.0f} samples/s '
-                     f'measured), and judging a bigger batch would cost ~{cost_s:.0f} s, more than '
-                     f'{MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
+        lines.append(f'Kept {"it" if exact else kept}: the run is predicted at ~{run_s:.0f} s of training compute '
+                     f'({speed:.0f} samples/s measured), and judging a bigger batch would cost ~{cost_s:.0f} s, '
+                     f'more than {MAX_TUNE_SHARE:.0%} of that; too short for tuning to pay off.')
         return TunedRun(outcome, plan, lines=lines)
 
     if args.rank == 0:
