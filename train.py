@@ -23,7 +23,7 @@ from typing import AbstractSet
 import torch
 from timm import utils
 
-from timm_ext.distributed import lost_peer
+from timm_ext.distributed import end_process_group, lost_peer
 from timm_ext.errors import TimmExtError, report
 from timm_ext.train.args import build_parser, given_dests, parse_args
 from timm_ext.train.run import TrainingRun
@@ -35,10 +35,13 @@ def main(argv=None, prog: str = 'train.py') -> int:
     if not logging.getLogger().handlers:  # a caller that set up logging keeps its handler (no doubled lines)
         utils.setup_default_logging()
     args, args_text = parse_args(argv)
+    finished = False
     try:
         check_arg_combinations(args)
         check_inputs(args)
-        return train(args, args_text, given_dests(argv, build_parser()))
+        status = train(args, args_text, given_dests(argv, build_parser()))
+        finished = True
+        return status
     except TimmExtError as e:  # bad input, a device or checkpoint problem, a stop on a signal: one line
         return report(prog, e)
     except KeyboardInterrupt:
@@ -58,8 +61,7 @@ def main(argv=None, prog: str = 'train.py') -> int:
               f'run without --torchcompile or pick another backend', file=sys.stderr)
         return 1
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group(wait=finished)  # every rank that finished waits for the others before the group goes
 
 
 def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:

@@ -38,13 +38,12 @@ import sys
 from typing import List, Optional, Set
 
 import torch
-import torch.distributed as dist
 from timm import utils
 
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
 from timm_ext.atomic_files import atomic_text
 from timm_ext.cuda_backends import configure_cuda_backends
-from timm_ext.distributed import DeviceError, check_device, init_device
+from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology
 from timm_ext.memory import free_memory
@@ -212,8 +211,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     elif multi_node and args.local_rank == 0:
         print(f'Train command on this node: {shell_line(command)}', flush=True)
     if args.distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_group()
         if primary and not args.dry_run:
             print('Under torchrun tune_batch.py probes and plans only; run the train command above to train.')
         return 0

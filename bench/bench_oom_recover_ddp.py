@@ -29,7 +29,7 @@ from timm.task import ClassificationTask
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install .`
-from timm_ext.distributed import ddp_device_ids  # noqa: E402
+from timm_ext.distributed import ddp_device_ids, end_process_group  # noqa: E402
 from timm_ext.train.loop import LoopConfig, TrainLoop  # noqa: E402
 
 from common import loop_bench_parser, synthetic_batches, timed_epoch, write_result  # noqa: E402  (bench/common.py)
@@ -71,7 +71,7 @@ def main() -> None:
             times[name].append(timed_epoch(loops[name], i + 1, batches, device))
     if dist.get_rank() == 0:
         report(args, device, times, sum(p.numel() for p in loops['plain'].params))
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 def report(args, device: torch.device, times: dict, params: int) -> None:

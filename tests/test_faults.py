@@ -126,7 +126,7 @@ def training_after_first_epoch(data: Path, out: Path, ranks: int = 1) -> Iterato
     """A long train.py run (torchrun with `ranks` > 1), yielded once its first epoch is saved; killed at the end."""
     launcher = [sys.executable]
     if ranks > 1:
-        launcher += ['-m', 'torch.distributed.run', f'--nproc_per_node={ranks}']
+        launcher += ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}']
     proc = subprocess.Popen(
         [*launcher, str(REPO_ROOT / 'train.py'), '--data-dir', str(data), '--output', str(out),
          '--experiment', 'run', *BASE, '--epochs', '100'],

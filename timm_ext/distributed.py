@@ -4,9 +4,12 @@ timm's ``init_distributed_device`` finds the world from torchrun or SLURM variab
 device (NCCL on CUDA, gloo on CPU). Added here: a one-line error instead of an assert or a CUDA traceback when the
 asked device is not there (no CUDA, or a CUDA index beyond ``torch.cuda.device_count()``, including a local rank
 beyond it when torchrun starts more processes than the node has GPUs), and the right ``device_ids`` for DDP, which
-must be None for a CPU module (stock passes the CPU device and DDP refuses it, so stock dies on CPU).
+must be None for a CPU module (stock passes the CPU device and DDP refuses it, so stock dies on CPU), and a teardown
+that waits for every rank before the group goes.
 """
 import argparse
+import datetime
+import sys
 from typing import List, Optional, Tuple
 
 import torch
@@ -97,6 +100,27 @@ def init_device(args: argparse.Namespace) -> Tuple[argparse.Namespace, torch.dev
     check_device(args.device, world_info_from_env()[0] if is_distributed_env() else None)
     args = argparse.Namespace(**vars(args))
     return args, init_distributed_device(args)
+
+
+def end_process_group(wait: bool = True, timeout: float = 60.0) -> None:
+    """Destroy the default process group (if any), first waiting up to `timeout` seconds for every rank to get here.
+
+    Why the wait: a rank that destroys its group (and exits) while a peer is still working closes the gloo pairs under
+    the peer's feet, and the peer can abort with "terminate called without an active exception". A rank that ends on
+    an error passes `wait=False`: its peers may never arrive, and the destroy alone is then the right end.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if wait:
+        try:
+            if dist.get_backend() == 'gloo':  # gloo's barrier can be bounded; a late peer is an error, not a hang
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+            else:
+                dist.barrier()
+        except RuntimeError as e:  # a peer died or is late: still destroy, and say so
+            print(f'warning: rank {dist.get_rank()} ended without the other ranks: {" ".join(str(e).split())[:160]}',
+                  file=sys.stderr)
+    dist.destroy_process_group()
 
 
 def ddp_device_ids(device: torch.device) -> Optional[List[torch.device]]:

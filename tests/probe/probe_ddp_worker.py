@@ -8,9 +8,8 @@ import resource
 import sys
 
 import torch
-import torch.distributed as dist
 
-from timm_ext.distributed import init_device
+from timm_ext.distributed import end_process_group, init_device
 from timm_ext.memory import parse_budget
 from timm_ext.probe.trial import build_train_trial, probe_train_batch
 from timm_ext.train.args import parse_args
@@ -33,8 +32,7 @@ def main(report_path: str, budget_rank0: str, budget_rank1: str) -> None:
     }
     with open(f'{report_path}.{args.rank}.json', 'w') as f:
         json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 if __name__ == '__main__':

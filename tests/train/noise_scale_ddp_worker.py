@@ -5,6 +5,7 @@ draws its own samples; a window is 2 micro-batches of 8 per rank. Two modes, one
 all-reduce in the window's last backward, and OOM recovery's explicit all-reduce after it. Rank 0 writes
 {mode: [grad_sq, trace_sigma, b_simple, pairs]} as JSON to the path given as the first argument.
 """
+import datetime
 import json
 import sys
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from timm.task import ClassificationTask
 
+from timm_ext.distributed import end_process_group
 from timm_ext.train.noise_scale import NoiseScaleEstimator
 from timm_ext.train.loop import LoopConfig, TrainLoop
 
@@ -25,7 +27,7 @@ class HalfSquaredError(nn.Module):
 
 
 def main(report_path: str) -> None:
-    dist.init_process_group('gloo')
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=240))  # a lost peer fails the test
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -54,7 +56,7 @@ def main(report_path: str) -> None:
     if rank == 0:
         with open(report_path, 'w') as f:
             json.dump(report, f)
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 if __name__ == '__main__':

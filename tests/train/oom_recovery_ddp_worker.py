@@ -9,6 +9,7 @@ Writes OUT_PREFIX.<rank>.json with what the test checks:
     lone_oom: rank 0 alone runs out of memory (a real RLIMIT_DATA cap) at the second batch of a window; the final
         weights, and the same update trained on one process from both ranks' batches for reference.
 """
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from test_oom_recovery import Wide, wide_batches  # noqa: E402
+from timm_ext.distributed import end_process_group  # noqa: E402
 from timm_ext.train import oom_replay as oom_replay_module  # noqa: E402
 from timm_ext.memory import memory_cap  # noqa: E402
 from timm_ext.train.oom_recovery import GradientAllReduce  # noqa: E402
@@ -122,7 +124,7 @@ def lone_oom(rank: int) -> dict:
 
 
 def main() -> None:
-    dist.init_process_group('gloo')
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=240))  # a lost peer fails the test
     rank = dist.get_rank()
     torch.set_num_threads(1)
     report = {
@@ -132,7 +134,7 @@ def main() -> None:
         'lone_oom': lone_oom(rank),
     }
     Path(f'{sys.argv[1]}.{rank}.json').write_text(json.dumps(report))
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 if __name__ == '__main__':

@@ -187,11 +187,29 @@ def test_distributed_train_sh_runs_two_cpu_processes(image_folder, tmp_path):
     assert (tmp_path / 'ddp' / 'model_best.safetensors').exists()
 
 
+@pytest.mark.parametrize('rendezvous, standalone', [({}, True), ({'PET_NNODES': '2'}, False),
+                                                    ({'PET_MASTER_PORT': '29611'}, False)])
+def test_distributed_train_sh_takes_a_free_port_unless_a_rendezvous_is_named(tmp_path, rendezvous, standalone):
+    """A one-node run gets --standalone (a free port: two runs on one machine never share 29500); a rendezvous
+    named in torchrun's PET_* variables is left to torchrun."""
+    fake = tmp_path / 'torchrun'  # stands in for torchrun on PATH and prints the arguments it was given
+    fake.write_text('#!/bin/bash\necho "$@"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith('PET_')}
+    env.update(rendezvous, PATH=f'{tmp_path}:{os.environ["PATH"]}')
+    result = subprocess.run(['bash', str(REPO_ROOT / 'distributed_train.sh'), '2', '--epochs', '1'],
+                            capture_output=True, text=True, timeout=30, env=env)
+    assert result.returncode == 0, result.stderr
+    argv = result.stdout.split()
+    assert ('--standalone' in argv) is standalone
+    assert argv[-3:] == [str(REPO_ROOT / 'train.py'), '--epochs', '1'] and '--nproc_per_node=2' in argv
+
+
 def test_ddp_accumulation_matches_one_big_batch(tmp_path):
     report = tmp_path / 'ddp.json'
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT)}
     result = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
          str(REPO_ROOT / 'tests' / 'train' / 'train_ddp_worker.py'), str(report)],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

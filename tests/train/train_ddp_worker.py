@@ -5,6 +5,7 @@ SGD at lr 1, so the parameter change is minus the averaged gradient. Rank 0 comp
 whole global batch taken at once, records which backward passes all-reduced (a DDP comm hook counts them) and writes
 a JSON report to the path given as the first argument.
 """
+import datetime
 import json
 import sys
 
@@ -15,11 +16,12 @@ import torch.nn as nn
 from timm.task import ClassificationTask
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from timm_ext.distributed import end_process_group
 from timm_ext.train.loop import LoopConfig, TrainLoop
 
 
 def main(report_path: str, accum: int = 3, micro: int = 2) -> None:
-    dist.init_process_group('gloo')
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=240))  # a lost peer fails the test
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
 
@@ -67,7 +69,7 @@ def main(report_path: str, accum: int = 3, micro: int = 2) -> None:
     if rank == 0:
         with open(report_path, 'w') as f:
             json.dump({'world': world, 'max_abs_diff': worst, 'syncs': syncs}, f)
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 if __name__ == '__main__':
