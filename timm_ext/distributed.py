@@ -18,6 +18,7 @@ from timm.utils import init_distributed_device
 from timm.utils.distributed import is_distributed_env, world_info_from_env
 
 from .errors import TimmExtError
+from .memory import steady_cpu_heap
 
 
 class DeviceError(TimmExtError):
@@ -99,7 +100,10 @@ def init_device(args: argparse.Namespace) -> Tuple[argparse.Namespace, torch.dev
     """
     check_device(args.device, world_info_from_env()[0] if is_distributed_env() else None)
     args = argparse.Namespace(**vars(args))
-    return args, init_distributed_device(args)
+    device = init_distributed_device(args)
+    if device.type == 'cpu':
+        steady_cpu_heap()  # the same peak in every process: what a probe measured is what the run will need
+    return args, device
 
 
 def end_process_group(wait: bool = True, timeout: float = 60.0) -> None:
