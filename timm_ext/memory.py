@@ -48,7 +48,7 @@ from .errors import TimmExtError
 __all__ = [
     'BudgetError', 'MemoryBudget', 'MemoryCap', 'PeakMeter', 'parse_budget', 'format_bytes', 'device_total_memory',
     'device_available_memory', 'device_name', 'physical_memory', 'memory_cap', 'free_memory', 'proc_status',
-    'data_and_stack', 'steady_cpu_heap',
+    'data_and_stack', 'steady_cpu_heap', 'default_headroom',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -411,6 +411,17 @@ def steady_cpu_heap() -> bool:
     except (OSError, AttributeError):  # not glibc
         return False
     return _STEADY[0]
+
+
+def default_headroom(device: DeviceLike) -> float:
+    """The share of the budget a chosen batch leaves free when none is asked: 5% on CPU, 10% elsewhere.
+
+    On CPU with the steady heap the measured peak is what the cap sees, the same in every process: resnet18 at 112 px
+    under 1 GiB peaked within 0.1 MB across fresh processes, and batch 173, sampled at 99.8% of the budget, held under
+    it. 5% is many times that spread and keeps the choice near the largest batch that holds. A CUDA run's reserved
+    memory depends more on the allocator's history (the training loop's, not the probe's), so it keeps 10%.
+    """
+    return 0.05 if _device(device).type == 'cpu' and _STEADY[0] else 0.1
 
 
 def free_memory(device: DeviceLike) -> None:
