@@ -47,6 +47,7 @@ from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
+from timm_ext.memory import default_headroom
 from timm_ext.probe.estimate import EstimateError, estimate_memory
 from timm_ext.probe.search import SELECT_MODES, NothingFitsError, die_with_parent
 from timm_ext.probe.trial import nothing_fits_advice
@@ -77,8 +78,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
     group.add_argument('--mem-budget', default=None, metavar='SIZE',
                        help="memory the run may use: a size ('12GiB', '500MB') or a fraction of the device ('0.8'); "
                             "on CPU, memory above what the process holds when probing starts (default: all)")
-    group.add_argument('--mem-headroom', type=float, default=0.1, metavar='FRAC',
-                       help='fraction of the budget the chosen batch leaves free, judged on measured peak memory')
+    group.add_argument('--mem-headroom', type=float, default=None, metavar='FRAC',
+                       help='fraction of the budget the chosen batch leaves free, judged on measured peak memory '
+                            '(default: 0.05 on CPU, where peaks are the same in every process; 0.1 on CUDA)')
     group.add_argument('--select', default='auto', choices=SELECTIONS,
                        help="auto: keep the recipe's global batch (-b x ranks x --grad-accum-steps, or "
                             "--target-global-batch) at its fastest split; when the recipe sets none, a bigger one "
@@ -189,6 +191,8 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
     train_args = args  # as parsed: what the config describes (init_device's copy holds the runtime fields)
     args, device = init_device(args)
+    if args.mem_headroom is None:
+        args.mem_headroom = default_headroom(device)
     configure_cuda_backends(device)  # trials time the regime train.py runs in
     world_size = args.world_size if args.distributed else args.nproc
     primary = args.rank == 0
@@ -244,6 +248,8 @@ def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace
     device_type = args.device.split(':', 1)[0]
     world_size = args.nproc * args.nnodes
     budgets = parse_budgets(args.mem_budget or '1.0', device_type)
+    if args.mem_headroom is None:
+        args.mem_headroom = default_headroom(torch.device(device_type))
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
     try:

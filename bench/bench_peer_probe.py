@@ -5,7 +5,7 @@ Every method runs in its own fresh process under the same real memory cap (RLIMI
 segment after the model is built, plus the budget), on the same model, optimizer, input size and random data, with
 one CPU thread:
 
-* ours: `timm_ext.probe.trial.probe_train_batch` as tune_batch.py runs it (`--headroom`, default 10% as there;
+* ours: `timm_ext.probe.trial.probe_train_batch` as tune_batch.py runs it (`--headroom`, default as there: 5% on CPU;
   --select max; the device's default grid; a warm-up and tune_batch's 3 timed updates per trial), and today's search
   for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and
   headroom, no aiming).
@@ -18,11 +18,13 @@ The peers are never dependencies of this project: they run with the python of a 
 
     python3 -m venv .venv-peers && .venv-peers/bin/pip install -r requirements.txt lightning accelerate
 
-Then, for every batch found, `--survival-runs` fresh processes under the same cap each run `--updates` real training
-updates (forward, backward, optimizer step) at that size. The oracle is the largest integer batch whose fresh process
-survives `--updates` updates: a bracket around `--oracle-hint` (or outward from 64) in steps of 10%, then a bisection
-on integers. A peer that dies (a signal, or an error it does not take for out-of-memory, such as oneDNN's "could not
-create a primitive" under a cap) is reported as it died, with its last line of stderr.
+Then, for every batch found, the hold check: `--survival-runs` fresh processes (default 10) under the same cap each
+run `--updates` real training updates (default 3: forward, backward, optimizer step) at that size. The oracle is the
+largest integer batch whose fresh process survives `--updates` updates: a bracket around `--oracle-hint` (or outward
+from 64) in steps of 10%, then a bisection on integers. Every process of ours (probe, hold check, oracle) sets up
+its device as train.py does, glibc's steady heap included (`timm_ext.memory.steady_cpu_heap`). A peer that dies
+(a signal, or an error it does not take for out-of-memory, such as oneDNN's "could not create a primitive" under a
+cap) is reported as it died, with its last line of stderr.
 
     python bench/bench_peer_probe.py --list
     python bench/bench_peer_probe.py --config test_resnet-64        # one configuration per command
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -50,7 +53,6 @@ CONFIGS = {
     'test_convnext-64': ('test_convnext', 64, 'sgd', '128MiB'),
 }
 NUM_CLASSES = 10
-DEFAULT_HEADROOM = 0.1  # tune_batch.py's default --mem-headroom
 PEER_METHODS = ('lightning-binsearch', 'lightning-power', 'accelerate')
 METHODS = ('ours', 'today') + PEER_METHODS
 
@@ -65,15 +67,16 @@ def train_flags(config: str) -> list:
 
 # ---- workers: each runs in a fresh process and prints one JSON line
 
-def worker_ours(config: str, aim: bool, headroom: float) -> dict:
+def worker_ours(config: str, aim: bool, headroom: Optional[float]) -> dict:
     """Our probe (aim) or today's grow-then-bisect on the decay grid (no aim), same trial and headroom."""
     from bench_probe import capped_trial, setup_trial
-    from timm_ext.memory import memory_cap, parse_budget
+    from timm_ext.memory import default_headroom, memory_cap, parse_budget
     from timm_ext.probe.search import DecayGrid, headroom_accept, search_batch_size, select_batch_size
     from timm_ext.probe.trial import probe_train_batch
-    from tune_batch import TIMED_STEPS
+    from timm_ext.tune.tuner import TIMED_STEPS
     setup = setup_trial(train_flags(config))
     budget = parse_budget(CONFIGS[config][3])
+    headroom = default_headroom(setup.device) if headroom is None else headroom  # tune_batch.py's default
     start = time.perf_counter()
     if aim:
         trials = probe_train_batch(setup, budget, headroom=headroom, select='max', start=2,
@@ -85,24 +88,7 @@ def worker_ours(config: str, aim: bool, headroom: float) -> dict:
                                        accept=headroom_accept(budget_bytes, headroom))
     seconds = time.perf_counter() - start
     return {'found': select_batch_size(trials).batch_size, 'trials': len(trials), 'seconds': seconds,
-            'sizes': [t.batch_size for t in trials]}
-
-
-def worker_updates(config: str, batch_size: int, updates: int) -> dict:
-    """`updates` real training updates at `batch_size` in this process, under the cap (set after the build)."""
-    from bench_probe import setup_trial
-    from timm_ext.memory import memory_cap, parse_budget
-    from timm_ext.oom import is_oom
-    setup = setup_trial(train_flags(config))
-    with memory_cap(setup.device, parse_budget(CONFIGS[config][3]).resolve(setup.device)):
-        setup.reset()
-        for done in range(updates):
-            try:
-                setup.step(batch_size)
-            except Exception as e:  # report, do not retry: the question is whether the size holds
-                return {'holds': False, 'updates': done, 'oom': is_oom(e, cpu_capped=True),
-                        'error': f'{type(e).__name__}: {" ".join(str(e).split())[:200]}'}
-    return {'holds': True, 'updates': updates}
+            'sizes': [t.batch_size for t in trials], 'headroom': headroom}
 
 
 PEER_WORKER = r'''
@@ -212,7 +198,7 @@ def run_fresh(argv: list, timeout: float) -> dict:
     return {'crashed': f'{how}: {tail}', 'wall_s': time.perf_counter() - began}
 
 
-def ours(config: str, aim: bool, headroom: float, timeout: float) -> dict:
+def ours(config: str, aim: bool, headroom: Optional[float], timeout: float) -> dict:
     return run_fresh([sys.executable, __file__, '--worker', json.dumps(['ours', config, aim, headroom])], timeout)
 
 
@@ -224,9 +210,10 @@ def peer(config: str, method: str, opts) -> dict:
                       str(opts.accelerate_start), str(NUM_CLASSES)], opts.timeout)
 
 
-def holds(config: str, batch_size: int, updates: int, timeout: float) -> dict:
-    return run_fresh([sys.executable, __file__, '--worker', json.dumps(['updates', config, batch_size, updates])],
-                     timeout)
+def holds(config: str, batch_size: int, updates: int, runs: int, timeout: float) -> dict:
+    """`batch_size` trained in `runs` fresh processes under the config's cap (`bench_probe.hold_check`)."""
+    from bench_probe import hold_check
+    return hold_check(train_flags(config), CONFIGS[config][3], batch_size, runs, updates, timeout)
 
 
 def oracle(config: str, hint: int, updates: int, timeout: float) -> dict:
@@ -236,7 +223,7 @@ def oracle(config: str, hint: int, updates: int, timeout: float) -> dict:
 
     def survives(size: int) -> bool:
         if size not in checked:
-            checked[size] = holds(config, size, updates, timeout).get('holds', False)
+            checked[size] = holds(config, size, updates, 1, timeout)['held'] == 1
             print(f'   oracle: {size} {"holds" if checked[size] else "fails"}', flush=True)
         return checked[size]
 
@@ -268,10 +255,11 @@ def main():
                         help='python of the separate venv that has lightning and accelerate')
     parser.add_argument('--accelerate-start', type=int, default=1024, metavar='N',
                         help="Accelerate's starting_batch_size (its default is 128)")
-    parser.add_argument('--headroom', type=float, default=DEFAULT_HEADROOM, metavar='FRAC',
-                        help="our probe's --mem-headroom (and today's search's), judged on measured peaks")
-    parser.add_argument('--updates', type=int, default=10, help='real updates a found batch must survive')
-    parser.add_argument('--survival-runs', type=int, default=2, help='fresh processes checking each found batch')
+    parser.add_argument('--headroom', type=float, default=None, metavar='FRAC',
+                        help="our probe's --mem-headroom (and today's search's), judged on measured peaks "
+                             "(default: tune_batch.py's)")
+    parser.add_argument('--updates', type=int, default=3, help='real updates a found batch must survive')
+    parser.add_argument('--survival-runs', type=int, default=10, help='fresh processes checking each found batch')
     parser.add_argument('--oracle-hint', type=int, default=None, metavar='N',
                         help='where the oracle starts its bracket (default: our probe\'s choice, else 64)')
     parser.add_argument('--no-oracle', action='store_true', help='skip the oracle (found sizes and survival only)')
@@ -280,8 +268,7 @@ def main():
     opts = parser.parse_args()
     if opts.worker:
         name, *argv = json.loads(opts.worker)
-        result = worker_ours(*argv) if name == 'ours' else worker_updates(*argv)
-        print(json.dumps(result))
+        print(json.dumps(worker_ours(*argv)))
         return
     if opts.list:
         for name, (model, img, opt, budget) in CONFIGS.items():
@@ -301,8 +288,7 @@ def main():
         res = ours(config, method == 'ours', opts.headroom, opts.timeout) if method in ('ours', 'today') else \
             peer(config, method, opts)
         if 'found' in res and res['found']:
-            res['survival'] = [holds(config, res['found'], opts.updates, opts.timeout)
-                               for _ in range(opts.survival_runs)]
+            res['hold'] = holds(config, res['found'], opts.updates, opts.survival_runs, opts.timeout)
         rows[method] = res
         print(f'   {method}: {json.dumps(res)}', flush=True)
     report = {'config': config, 'setup': CONFIGS[config], 'headroom_ours': opts.headroom, 'updates': opts.updates,
@@ -312,16 +298,22 @@ def main():
         report['oracle'] = oracle(config, hint, opts.updates, opts.timeout)
     best = report.get('oracle', {}).get('oracle')
     print(f'\noracle ({opts.updates} updates in a fresh process): {best if best is not None else "not run"}')
-    print(f'| method | found | % of oracle | trials | wall s | holds {opts.updates} updates | note |')
+    print(f'| method | found | % of oracle | trials | wall s | held ({opts.updates} updates, fresh processes) | note |')
     print('|---|---|---|---|---|---|---|')
     for method, res in rows.items():
-        found = res.get('found')
+        found, hold = res.get('found'), res.get('hold')
         share = f'{found / best:.0%}' if found and best else '-'
-        survived = ', '.join('yes' if s.get('holds') else f'no ({s.get("error") or describe(s)})'[:80]
-                             for s in res.get('survival', [])) or '-'
+        held = f'{hold["held"]}/{hold["runs"]}' if hold else '-'
+        if hold and hold['failures']:
+            held += f' ({hold["failures"][0][:60]})'
         wall = f'{res["seconds"]:.1f}' if 'seconds' in res else '-'
-        print(f'| {method} | {found or "-"} | {share} | {res.get("trials", "-")} | {wall} | {survived} '
+        print(f'| {method} | {found or "-"} | {share} | {res.get("trials", "-")} | {wall} | {held} '
               f'| {describe(res)} |')
+    mine = rows.get('ours', {})
+    if mine.get('hold') and best:
+        promise = mine['hold']['held'] == mine['hold']['runs'] and mine['found'] >= 0.9 * best
+        print(f'\nours: held {mine["hold"]["held"]}/{mine["hold"]["runs"]}, {mine["found"] / best:.0%} of the oracle: '
+              f'{"the promise holds" if promise else "NOT the promise (every run holds, >= 90% of the oracle)"}')
     out = REPO / 'bench' / 'results'
     out.mkdir(parents=True, exist_ok=True)
     (out / f'bench_peer_probe-{config}.json').write_text(json.dumps(report, indent=2))

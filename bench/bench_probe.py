@@ -9,9 +9,12 @@ For each configuration (model, input size, budget):
 * oracle: every decay-grid size (1, 2, 3, 4, 6, 8, 12, ...) tried alone in a fresh process under the same cap,
   ascending until two sizes in a row fail; the true largest fit is the largest size that fit.
 * probe: `timm_ext.probe.trial.probe_train_batch` (aimed at the budget from measured peaks, settled on the
-  device's default grid), headroom 0. `bench/bench_peer_probe.py` compares it with the peers and an integer oracle.
+  device's default grid), with tune_batch.py's default headroom (`--headroom`). `bench/bench_peer_probe.py`
+  compares it with the peers and an integer oracle.
 * timm-style decay: descend the decay grid from 1024 (1024, 768, 512, ...) until a size fits.
 * Accelerate-style: start at 1024 and retry at int(0.9 x size) until a size fits.
+* hold check: the probe's choice trained in `--hold-runs` fresh processes (default 10) under the same cap,
+  `--hold-updates` real updates each (default 3); the table says how many held.
 
 All searches use the same trial (one warm-up and one timed training update, forked on CPU), so the table
 compares search strategies: trials and wall time side by side, the probe's choice as a share of the oracle, and
@@ -89,16 +92,49 @@ def worker_oracle(flags, budget, size):
     print(json.dumps(trial.to_dict()))
 
 
-def worker_search(flags, budget, method, select='max', timed_steps=1):
+def worker_updates(flags, budget, batch_size, updates):
+    """`updates` real training updates at `batch_size` in this fresh process, under the cap (set after the build)."""
+    from timm_ext.memory import memory_cap, parse_budget
+    from timm_ext.oom import is_oom
+    setup = setup_trial(flags)
+    result = {'holds': True, 'updates': updates}
+    with memory_cap(setup.device, parse_budget(budget).resolve(setup.device)):
+        setup.reset()
+        for done in range(updates):
+            try:
+                setup.step(batch_size)
+            except Exception as e:  # report, do not retry: the question is whether the size holds
+                result = {'holds': False, 'updates': done, 'oom': is_oom(e, cpu_capped=True),
+                          'error': f'{type(e).__name__}: {" ".join(str(e).split())[:200]}'}
+                break
+    print(json.dumps(result))
+
+
+def hold_check(flags, budget, batch_size, runs=10, updates=3, timeout=900):
+    """The promise, checked: `batch_size` run in `runs` fresh processes under the same cap, `updates` real updates
+    each; how many held, and how each other one ended (a crash under the cap counts as not holding)."""
+    ends = []
+    for _ in range(runs):
+        try:
+            ends.append(run_worker('updates', flags, budget, batch_size, updates, timeout=timeout))
+        except RuntimeError as e:  # the process died (oneDNN can take SIGSEGV under a cap)
+            ends.append({'holds': False, 'error': ' '.join(str(e).split())[-200:]})
+    failures = [end.get('error', '') for end in ends if not end['holds']]
+    return {'batch_size': batch_size, 'held': runs - len(failures), 'runs': runs, 'updates': updates,
+            'failures': failures}
+
+
+def worker_search(flags, budget, method, select='max', timed_steps=1, headroom=None):
     """One search strategy in this fresh process; reports found size, trials and search wall time."""
     from timm_ext.batch_decay import batch_descent
-    from timm_ext.memory import memory_cap, parse_budget
+    from timm_ext.memory import default_headroom, memory_cap, parse_budget
     from timm_ext.probe.trial import probe_train_batch
     setup = setup_trial(flags)
     budget = parse_budget(budget)
+    headroom = default_headroom(setup.device) if headroom is None else headroom
     start = time.perf_counter()
     if method == 'probe':
-        out = probe_train_batch(setup, budget, headroom=0.0, select=select, start=START, max_batch=DESCENT_START,
+        out = probe_train_batch(setup, budget, headroom=headroom, select=select, start=START, max_batch=DESCENT_START,
                                 timed_steps=timed_steps)
         found, trials = out.selection.batch_size, out.trials
     else:
@@ -169,7 +205,7 @@ def throughput_check(flags, budget, true_fit, opts):
     per_process, runs = [], []
     for index in range(max(opts.sweep_procs, opts.throughput_runs)):
         if index < opts.throughput_runs:
-            res = run_worker('search', flags, budget, 'probe', 'throughput', 3)
+            res = run_worker('search', flags, budget, 'probe', 'throughput', 3, opts.headroom)
             runs.append({'choice': res['found'], 'trials': len(res['trials']), 'seconds': round(res['seconds'], 1),
                          'retimings': sum(1 for t in res['trials'] if t.get('retime')), 'table': res['trials']})
         if index < opts.sweep_procs:
@@ -212,11 +248,17 @@ def main():
                         help='fresh processes timing the reference sweep; each size counts the mean of their medians')
     parser.add_argument('--throughput-runs', type=int, default=3, metavar='N',
                         help='fresh processes each running --select throughput')
+    parser.add_argument('--headroom', type=float, default=None, metavar='FRAC',
+                        help="the probe's --mem-headroom (default: tune_batch.py's, 5%% on CPU)")
+    parser.add_argument('--hold-runs', type=int, default=10, metavar='N',
+                        help="fresh processes that each train the probe's choice under the same cap (0: none)")
+    parser.add_argument('--hold-updates', type=int, default=3, metavar='N', help='real updates each of them runs')
     parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
         name, *argv = json.loads(opts.worker)
-        {'oracle': worker_oracle, 'search': worker_search, 'sweep': worker_sweep}[name](*argv)
+        workers = {'oracle': worker_oracle, 'search': worker_search, 'sweep': worker_sweep, 'updates': worker_updates}
+        workers[name](*argv)
         return
 
     rows = []
@@ -229,7 +271,7 @@ def main():
         print(f'   oracle (fresh process per grid size): largest fit {true_fit}  {table}', flush=True)
         row = {'config': name, 'budget': budget, 'oracle': true_fit, 'oracle_table': table}
         for method in ('probe', 'decay', 'x0.9'):
-            res = run_worker('search', flags, budget, method)
+            res = run_worker('search', flags, budget, method, 'max', 1, opts.headroom)
             steps = grid_steps_between(res['found'], true_fit) if method == 'decay' else None
             row[method] = {'found': res['found'], 'trials': len(res['trials']), 'seconds': round(res['seconds'], 1),
                            'grid_steps_from_oracle': steps}
@@ -240,17 +282,22 @@ def main():
         # the probe aims at any size (the default grid on CPU is every integer); the oracle tried the decay grid
         row['probe']['share_of_oracle'] = round(found / true_fit, 3) if true_fit else None
         row['probe']['within_trial_bound'] = row['probe']['trials'] <= row['probe']['trial_bound']
+        if opts.hold_runs:
+            row['probe']['hold'] = hold = hold_check(flags, budget, found, opts.hold_runs, opts.hold_updates)
+            print(f'   probe choice {found} held {hold["held"]}/{hold["runs"]} fresh processes '
+                  f'({opts.hold_updates} updates each under the cap)', flush=True)
         if opts.throughput:
             row['throughput'] = throughput_check(flags, budget, true_fit, opts)
         rows.append(row)
 
-    print('\n| config | budget | oracle | probe found / trials / s | bound | decay from 1024 trials / s '
+    print('\n| config | budget | oracle | probe found / trials / s | bound | held | decay from 1024 trials / s '
           '| x0.9 from 1024 trials / s |')
-    print('|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|')
     for r in rows:
         p, d, a = r['probe'], r['decay'], r['x0.9']
+        held = f"{p['hold']['held']}/{p['hold']['runs']}" if 'hold' in p else '-'
         print(f"| {r['config']} | {r['budget']} | {r['oracle']} | {p['found']} / {p['trials']} / {p['seconds']} "
-              f"| {p['trial_bound']} | {d['trials']} / {d['seconds']} | {a['trials']} / {a['seconds']} |")
+              f"| {p['trial_bound']} | {held} | {d['trials']} / {d['seconds']} | {a['trials']} / {a['seconds']} |")
     if opts.throughput:
         print('\n| config | largest fit in the run | reference best (samples/s at size) | --select throughput chose '
               '| % of reference best | range over single sweep processes | trials (re-timings) | s |')

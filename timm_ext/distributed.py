@@ -18,6 +18,7 @@ from timm.utils import init_distributed_device
 from timm.utils.distributed import is_distributed_env, world_info_from_env
 
 from .errors import TimmExtError
+from .memory import steady_cpu_heap
 
 
 class DeviceError(TimmExtError):
@@ -99,7 +100,31 @@ def init_device(args: argparse.Namespace) -> Tuple[argparse.Namespace, torch.dev
     """
     check_device(args.device, world_info_from_env()[0] if is_distributed_env() else None)
     args = argparse.Namespace(**vars(args))
-    return args, init_distributed_device(args)
+    device = init_distributed_device(args)
+    if device.type == 'cpu':
+        steady_cpu_heap()  # the same peak in every process: what a probe measured is what the run will need
+    return args, device
+
+
+def end_process_group(wait: bool = True, timeout: float = 60.0) -> None:
+    """Destroy the default process group (if any), first waiting up to `timeout` seconds for every rank to get here.
+
+    Why the wait: a rank that destroys its group (and exits) while a peer is still working closes the gloo pairs under
+    the peer's feet, and the peer can abort with "terminate called without an active exception". A rank that ends on
+    an error passes `wait=False`: its peers may never arrive, and the destroy alone is then the right end.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if wait:
+        try:
+            if dist.get_backend() == 'gloo':  # gloo's barrier can be bounded; a late peer is an error, not a hang
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+            else:
+                dist.barrier()
+        except RuntimeError as e:  # a peer died or is late: still destroy, and say so
+            print(f'warning: rank {dist.get_rank()} ended without the other ranks: {" ".join(str(e).split())[:160]}',
+                  file=sys.stderr)
+    dist.destroy_process_group()
 
 
 def end_process_group(wait: bool = True, timeout: float = 60.0) -> None:

@@ -183,12 +183,13 @@ linux_only = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps
 # (test_resnet at 32/48/64 px: 87 MiB of data segment alternating sizes, 50-55 MiB at any one size alone); with the
 # cache off, memory follows the batch as a GPU allocator's does, and a batch that fits at its size fits in the mix.
 CPU_ENV = {'ONEDNN_PRIMITIVE_CACHE_CAPACITY': '0'}
-# test_resnet under 48 MiB: about 22 / 39 / 87 fit at 64 / 48 / 32 px, below the 120-image train split. The headroom
+# test_resnet under 40 MiB (steady heap, cache off): about 28 / 50 / 100 fit at 64 / 48 / 32 px, below the 120-image
+# train split (120 at 32 px peaks at ~35 MiB, over the 30 MiB the headroom leaves). The headroom
 # covers what train.py's steps hold beyond the probe's trial on CPU (its data pipeline and a longer run's heap: up
 # to ~15% here, with or without a schedule)
 RUN = ['--model', 'test_resnet', '--device', 'cpu', '--num-classes', '3', '--img-size', '64', '-j', '0',
        '--mem-headroom', '0.25']
-BUDGET_MIB = 48
+BUDGET_MIB = 40
 
 
 @pytest.fixture(scope='module')
