@@ -4,8 +4,8 @@
     python bench/bench_estimate.py --models resnet18:112 --budget 1GiB --onednn off
 
 The oracle is the largest batch whose warm-up update and one timed update hold under the cap (RLIMIT_DATA), each
-trial forked from a fresh process that has built the run (as the probe's CPU trials are): doubled, then bisected to
-within 2%. The estimate is `tune_batch.py --estimate`'s: the largest batch predicted within the budget, no
+trial forked from a fresh process that has built the run with train.py's steady heap (as the probe's CPU trials are):
+doubled, then bisected to within 2%. The estimate is `tune_batch.py --estimate`'s: the largest batch predicted within the budget, no
 headroom. Memory figures only: nothing here is timed but the estimate itself.
 """
 import argparse
@@ -39,11 +39,12 @@ def oracle(model: str, img: str, budget: str, onednn: bool) -> int:
 
 def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
     import torch
-    from timm_ext.memory import PeakMeter, memory_cap, parse_budget
+    from timm_ext.memory import PeakMeter, memory_cap, parse_budget, steady_cpu_heap
     from timm_ext.probe.search import measured_trial
     from timm_ext.probe.trial import build_train_trial
     torch.set_num_threads(1)
     torch.backends.mkldnn.enabled = onednn
+    steady_cpu_heap()  # as train.py's init_device does
     cpu = torch.device('cpu')
     setup = build_train_trial(run_args(model, img), cpu)
     with memory_cap(cpu, parse_budget(budget).resolve(cpu)) as cap:

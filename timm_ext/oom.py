@@ -16,6 +16,7 @@ __all__ = ['is_oom', 'should_retry', 'cpu_data_capped', 'OOM_MESSAGES', 'FATAL_M
 OOM_MESSAGES = (
     'out of memory',                          # CUDA ("CUDA out of memory", "CUDA error: out of memory"), XPU, MPS
     "can't allocate memory",                  # CPU: DefaultCPUAllocator under a memory limit
+    'posix_memalign failed',                  # CPU: ATen's aligned buffers (grouped convolutions) under a limit
     'cudnn_status_not_supported',             # cuDNN gives up when a batch needs too large a workspace
     'cublas_status_alloc_failed',             # cuBLAS handle/workspace allocation
     'cudnn_status_alloc_failed',
