@@ -38,7 +38,6 @@ import subprocess
 import sys
 from typing import List, Optional, Set
 
-import torch
 from timm import utils
 
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
@@ -48,9 +47,8 @@ from timm_ext.distributed import DeviceError, check_device, end_process_group, i
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom
-from timm_ext.probe.estimate import EstimateError, estimate_memory
+from timm_ext.probe.estimate import EstimateError
 from timm_ext.probe.search import SELECT_MODES, NothingFitsError, die_with_parent
-from timm_ext.probe.trial import nothing_fits_advice
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs
@@ -60,10 +58,8 @@ from timm_ext.tune.plan import (
     TRAIN_WITH, config_values, extension_flags, planned_command, shell_line, train_command, tuned_config_text,
 )
 from timm_ext.tune.plot import write_probe_plot
-from timm_ext.tune.estimate_plan import estimate_report, parse_budgets, plan_from_estimate
-from timm_ext.tune.tuner import (
-    default_config_path, plan_tuned_run, recipe_global_batch, report_lines, summary_lines, worth_a_plot,
-)
+from timm_ext.tune.estimate_plan import plan_with_estimate
+from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, summary_lines, worth_a_plot
 
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -245,38 +241,21 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
 
 def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
     """--estimate: plan every budget from the memory estimate, write the first budget's config, print the command."""
-    device_type = args.device.split(':', 1)[0]
-    world_size = args.nproc * args.nnodes
-    budgets = parse_budgets(args.mem_budget or '1.0', device_type)
-    if args.mem_headroom is None:
-        args.mem_headroom = default_headroom(torch.device(device_type))
-    run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
-                                     'rank': 0, 'local_rank': 0})
     try:
-        estimate = estimate_memory(run_args, device_type, onednn=torch.backends.mkldnn.is_available())
-    except EstimateError as e:
+        planned = plan_with_estimate(args, given)
+    except (EstimateError, NothingFitsError) as e:
         return report(parser.prog, e)
-    recipe_global, _ = recipe_global_batch(args, given, world_size)
-    plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global)
-    lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc)
-    chosen = plans[0].plan
-    if chosen is None:
-        print('\n'.join(lines))
-        return report(parser.prog, NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; '
-                                                    f'{nothing_fits_advice(args)}'))
+    chosen = planned.plans[0].plan
     config_path = args.tuned_config or default_config_path(args)
     extension_dests = group_dests(parser, EXTENSIONS_GROUP)
     stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))
-    values = config_values(args, parser, stock_dests, chosen)
     topology = planned_topology(args.nnodes, args.nproc)
     command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc,
                             extension_flags(args, parser, extension_dests), topology)
-    lines += ['', f'Plan for {plans[0].budget_text}: global batch {chosen.global_batch} = {chosen.micro_batch} x '
-                  f'{world_size} rank(s) x {chosen.accum_steps}. {chosen.reason}', f'LR {chosen.lr:g} '
-                  f'({chosen.lr_rule or "given"}): {chosen.lr_reason}']
-    print('\n'.join(lines))
+    print('\n'.join(planned.lines))
     os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
-    atomic_text(tuned_config_text(values, lines + ['', TRAIN_WITH + shell_line(command)]), config_path)
+    atomic_text(tuned_config_text(config_values(args, parser, stock_dests, chosen),
+                                  planned.lines + ['', TRAIN_WITH + shell_line(command)]), config_path)
     if topology is not None:
         print(f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.')
     print('\n'.join(['', f'Config: {config_path}', f'Train command: {shell_line(command)}']), flush=True)

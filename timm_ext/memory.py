@@ -422,7 +422,7 @@ def default_headroom(device: DeviceLike) -> float:
     it. 5% is many times that spread and keeps the choice near the largest batch that holds. A CUDA run's reserved
     memory depends more on the allocator's history (the training loop's, not the probe's), so it keeps 10%.
     """
-    return 0.05 if _device(device).type == 'cpu' and _STEADY[0] else 0.1
+    return 0.05 if torch.device(device).type == 'cpu' and _STEADY[0] else 0.1  # no CUDA call: plans need no GPU
 
 
 def free_memory(device: DeviceLike) -> None:

@@ -8,16 +8,19 @@ where" table; the first budget's plan is the one written as the YAML config and 
 """
 import argparse
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 
-from ..memory import BudgetError, MemoryBudget, format_bytes, parse_budget
-from ..probe.estimate import MemoryEstimate
-from ..probe.search import default_grid
+from ..memory import BudgetError, MemoryBudget, default_headroom, format_bytes, parse_budget
+from ..probe.estimate import MemoryEstimate, estimate_memory
+from ..probe.search import NothingFitsError, default_grid
+from ..probe.trial import nothing_fits_advice
 from .plan import RunPlan, plan_run
+from .tuner import recipe_global_batch
 
-__all__ = ['EstimatedPlan', 'parse_budgets', 'plan_from_estimate', 'estimate_report']
+__all__ = ['EstimatedPlan', 'EstimatedRun', 'parse_budgets', 'plan_from_estimate', 'estimate_report',
+           'plan_with_estimate']
 
 TABLE_SIZES = 5  # rows of the per-batch table, up to the first budget's micro-batch
 
@@ -94,3 +97,41 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
         lines.append(f'{p.budget_text:>10s} {p.micro_batch:>11d} {p.plan.micro_batch:>12d} {p.plan.accum_steps:>6d} '
                      f'{p.plan.global_batch:>7d} {p.plan.lr:>9.4g} {format_bytes(estimate.peak(p.plan.micro_batch)):>15s}')
     return lines
+
+
+@dataclass(frozen=True)
+class EstimatedRun:
+    """--estimate's decision: the estimate, one plan a budget (the first is the run's) and the report lines."""
+    estimate: MemoryEstimate
+    plans: List[EstimatedPlan]
+    lines: List[str]
+
+
+def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRun:
+    """The whole --estimate decision for tune_batch.py's parsed `args` (no device, no data, no trial).
+
+    Raises:
+        EstimateError: The step cannot be traced.
+        NothingFitsError: Not even batch 1 fits the first budget by the estimate.
+        BudgetError: A budget cannot be read here (`parse_budgets`).
+    """
+    device_type = args.device.split(':', 1)[0]
+    world_size = args.nproc * args.nnodes
+    budgets = parse_budgets(args.mem_budget or '1.0', device_type)
+    if args.mem_headroom is None:
+        args.mem_headroom = default_headroom(torch.device(device_type))
+    run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
+                                     'rank': 0, 'local_rank': 0})
+    onednn = device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    estimate = estimate_memory(run_args, device_type, onednn)
+    recipe_global, _ = recipe_global_batch(args, given, world_size)
+    plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global)
+    lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc)
+    chosen = plans[0].plan
+    if chosen is None:
+        print('\n'.join(lines))
+        raise NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {nothing_fits_advice(args)}')
+    lines += ['', f'Plan for {plans[0].budget_text}: global batch {chosen.global_batch} = {chosen.micro_batch} x '
+                  f'{world_size} rank(s) x {chosen.accum_steps}. {chosen.reason}',
+              f'LR {chosen.lr:g} ({chosen.lr_rule or "given"}): {chosen.lr_reason}']
+    return EstimatedRun(estimate, plans, lines)
