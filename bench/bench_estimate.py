@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 DEFAULT_MODELS = ('resnet18:112', 'efficientnet_b0:128', 'convnext_atto:128', 'vit_tiny_patch16_224:224',
                   'regnetx_004:128', 'mobilenetv3_large_100:128')
-CALIBRATED_ON = {'resnet18', 'efficientnet_b0', 'vit_tiny_patch16_224'}  # device_memory's CPU constants were fitted on these
+CALIBRATED_ON = {'resnet18', 'efficientnet_b0', 'vit_tiny_patch16_224'}  # the CPU constants' fit
 
 
 def run_args(model: str, img: str):
