@@ -5,8 +5,8 @@
 
 The oracle is the largest batch whose warm-up update and one timed update hold under the cap (RLIMIT_DATA), each
 trial forked from a fresh process that has built the run with train.py's steady heap (as the probe's CPU trials are):
-doubled, then bisected to within 2%. The estimate is `tune_batch.py --estimate`'s: the largest batch predicted within the budget, no
-headroom. Memory figures only: nothing here is timed but the estimate itself.
+doubled, then bisected to within 2%. The estimate is `tune_batch.py --estimate`'s: the largest batch predicted within
+the budget, no headroom. Memory figures only: nothing here is timed but the estimate itself.
 """
 import argparse
 import os
