@@ -110,3 +110,32 @@ def test_a_cuda_estimate_runs_without_a_gpu_and_rounds_like_the_caching_allocato
     assert split['allocator'] > 0  # storages rounded up to the caching allocator's blocks
     assert cuda.device.counted(split) == pytest.approx(sum(split.values()))  # a CUDA budget counts the weights too
     assert cpu.device.counted(split) == pytest.approx(sum(split.values()) - split['weights'])  # a CPU one does not
+
+
+def _nnpack_rule_and_real_peak() -> dict:
+    """nnpack_kept on fake tensors at batch 14 and 16, and what the same convolution really holds (oneDNN off)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from timm_ext.probe.device_memory import nnpack_kept
+    steady_cpu_heap()
+    torch.backends.mkldnn.enabled = False
+    args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    rule = {}
+    with FakeTensorMode():
+        weight = torch.empty(1280, 960, 1, 1)
+        for batch in (14, 16):
+            input = torch.empty(batch, 960, 1, 1)
+            out = torch.ops.aten.convolution.default(input, weight, None, *args)
+            rule[batch] = nnpack_kept(torch.ops.aten.convolution.default, (input, weight, None, *args), out)
+    input, weight = torch.randn(16, 960, 1, 1), torch.randn(1280, 960, 1, 1)
+    meter = PeakMeter(CPU, data_and_stack())
+    meter.reset()
+    out = torch.nn.functional.conv2d(input, weight)
+    return dict(rule=rule, beside_output=meter.peak() - out.numel() * 4)
+
+
+def test_nnpack_keeps_its_kernel_transform_from_batch_16_as_the_rule_says():
+    found = in_child(_nnpack_rule_and_real_peak)
+    kernel_tiles = 1280 * 960 * 64 * 4  # 300 MiB
+    assert found['rule']['14'] == 0 and found['rule']['16'] >= kernel_tiles
+    assert found['beside_output'] >= 0.9 * kernel_tiles  # measured for real: what the rule predicts is there
+    assert found['beside_output'] <= 1.15 * found['rule']['16']

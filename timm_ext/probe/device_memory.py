@@ -1,18 +1,21 @@
 """What a device adds to the bytes a step's tensors hold: the stated model behind the memory estimate.
 
 A fake-tensor trace (`timm_ext.probe.memory_trace`) counts tensors only. A real step also needs what kernels allocate
-for themselves, what the allocator holds beyond each request, and what the runtime keeps once a step has run. Each
-`DeviceModel` says how much of that it assumes (`assumptions`, printed with every estimate):
+for themselves, what libraries keep between ops, what the allocator holds beyond each request, and what the runtime
+keeps once a step has run. Each `DeviceModel` says how much of that it assumes (`assumptions`, printed with every
+estimate):
 
 * CPU, with train.py's steady heap (`timm_ext.memory.steady_cpu_heap`: large blocks mapped and handed back). The
   budget counts memory above what the process held before the step, so the weights, built before, are not counted.
-  Measured with torch 2.14 against the VmData peak of real updates near a 1 GiB cap (`bench/bench_estimate.py`,
-  oneDNN off): a grouped convolution (depthwise included) runs group by group and concatenates, holding its output
-  once more in the forward and its input once more in the backward (`slow_conv_workspace`); memory outside the
-  tensors grows with the ungrouped convolutions' results (`CPU_CONV_SLACK` of them: 0.23-0.76 across the models
-  measured) and a constant `CPU_RUNTIME_BYTES` (vit_tiny, with no convolutions, needs 16 MiB beyond its tensors).
-  Not modelled: a buffer of about 330 MiB that mobilenetv3_large_100 (oneDNN off) takes from batch 16 on (batch 14
-  peaks at 244 MiB, 16 at 576 MiB), not a tensor the trace sees; oneDNN's scratchpads and reordered weights.
+  Measured op by op with torch 2.14 (oneDNN off): a grouped convolution (depthwise included) runs group by group and
+  concatenates, holding its output once more in the forward and its input once more in the backward
+  (`slow_conv_workspace`); from batch 16 an ungrouped float32 convolution runs in NNPACK, whose workspace PyTorch keeps
+  between calls at the largest size asked: the kernel in 8x8 tiles, Cout x Cin x 64 floats (`nnpack_kept`: 309 MiB
+  for mobilenetv3's 960 -> 1280 head, which is why its batch 16 peaks 330 MiB above batch 14); the runtime keeps
+  `CPU_RUNTIME_BYTES` (vit_tiny, with no convolutions, peaks 16 MiB above its tensors). Against the VmData peak of real
+  updates near a 1 GiB cap on six families the largest batch comes out at 0.97-0.99x the one that holds
+  (`bench/bench_estimate.py`). With oneDNN on, convolutions keep scratchpads and reordered weights per shape instead,
+  which are not modelled.
 * CUDA: the caching allocator rounds every request up to 512 bytes and larger ones (over 10 MiB) to 2 MiB, and
   the free tails of its segments are assumed `CUDA_SEGMENT_SLACK` of what is live; cuBLAS keeps a workspace
   (`CUBLAS_WORKSPACE_BYTES`); cuDNN's workspace for a convolution is assumed at most the size of its input. The CUDA
@@ -26,13 +29,11 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ['DeviceModel', 'device_model', 'CPU_RUNTIME_BYTES', 'CPU_CONV_SLACK', 'CPU_ESTIMATE_MARGIN', 'CUDA_CONTEXT_BYTES',
+__all__ = ['DeviceModel', 'device_model', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN', 'CUDA_CONTEXT_BYTES',
            'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES']
 
 MiB = 1 << 20
-# CPU with the steady heap, fitted on resnet18, efficientnet_b0 and vit_tiny near a 1 GiB cap (see the module doc)
-CPU_RUNTIME_BYTES = 32 * MiB
-CPU_CONV_SLACK = 0.4
+CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyond its tensors, doubled
 # how far below a real CPU trial's measured peak an estimate may fall (the fit's spread, with a margin)
 CPU_ESTIMATE_MARGIN = 0.15
 CUDA_CONTEXT_BYTES = 600 * MiB  # outside the allocator: the CUDA context with cuBLAS / cuDNN handles (assumed)
@@ -50,6 +51,7 @@ class DeviceModel:
         name: The device as the report names it.
         allocated: Bytes the allocator hands out for n bytes made by an op, given (op or None, its args, n).
         workspace: Bytes an op allocates for itself while it runs, given (op, args, its result); None: none.
+        kept: Bytes a library keeps from an op on (the largest ask stays), given (op, args, its result); None: none.
         fixed: Categories the device adds whatever the batch, name -> bytes.
         uncounted: Categories the budget does not count (CPU: the weights, built before the cap is set).
         context_bytes: Memory outside the allocator taken off an absolute budget.
@@ -58,6 +60,7 @@ class DeviceModel:
     name: str
     allocated: Callable[[object, tuple, int], int] = lambda func, args, n: n
     workspace: Optional[Callable[[object, tuple, object], int]] = None
+    kept: Optional[Callable[[object, tuple, object], int]] = None
     fixed: Dict[str, int] = field(default_factory=dict)
     uncounted: Tuple[str, ...] = ()
     context_bytes: int = 0
@@ -96,6 +99,20 @@ def slow_conv_workspace(func, args: tuple, out) -> int:
     return _nbytes(out if func is torch.ops.aten.convolution.default else args[1])
 
 
+def nnpack_kept(func, args: tuple, out) -> int:
+    """NNPACK's workspace, which PyTorch keeps between calls and grows to the largest asked: a convolution it runs
+    (CPU without oneDNN, float32, batch 16 or more, ungrouped) transforms its kernel into 8x8 tiles, Cout x Cin x 64
+    floats, with one tile of each image channel in and out (measured: 309 MiB for 960 -> 1280 channels at batch 16)."""
+    if func is not torch.ops.aten.convolution.default:
+        return 0
+    input, weight = args[0], args[1]
+    backend = torch._C._select_conv_backend(input, weight, None, *args[3:9], None)
+    if backend != torch._C._ConvBackend.NnpackSpatial:
+        return 0
+    tiles = weight.shape[0] * weight.shape[1] + input.shape[0] * (input.shape[1] + weight.shape[0])
+    return 64 * input.element_size() * tiles
+
+
 def caching_allocator_bytes(func, args: tuple, n: int) -> int:
     """What CUDA's caching allocator reserves for a request of `n` bytes, its segment's free tail included."""
     block = max(512, -(-n // 512) * 512)
@@ -113,11 +130,6 @@ def _groups(func, args: tuple) -> Optional[int]:
     return None
 
 
-def cpu_heap_bytes(func, args: tuple, n: int) -> int:
-    """What a CPU step holds for an ungrouped convolution's result: `CPU_CONV_SLACK` more (see the module doc)."""
-    return int(n * (1 + CPU_CONV_SLACK)) if _groups(func, args) == 1 else n
-
-
 def cudnn_workspace(func, args: tuple, out) -> int:
     """Assumed cuDNN workspace of a convolution: at most the bytes of its input (0 for other ops)."""
     if func not in _CONVOLUTIONS:
@@ -129,7 +141,7 @@ def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
     """The model for 'cpu' (oneDNN on or off) or 'cuda'."""
     if device_type == 'cuda':
         return DeviceModel(
-            'cuda', caching_allocator_bytes, cudnn_workspace, {'cublas': CUBLAS_WORKSPACE_BYTES},
+            'cuda', caching_allocator_bytes, cudnn_workspace, fixed={'cublas': CUBLAS_WORKSPACE_BYTES},
             context_bytes=CUDA_CONTEXT_BYTES,
             assumptions=(f'CUDA caching allocator rounding (512 B, 2 MiB segments, {CUDA_SEGMENT_SLACK:.0%} segment '
                          f'tails), cuBLAS workspace {CUBLAS_WORKSPACE_BYTES // MiB} MiB, cuDNN workspace <= a '
@@ -138,10 +150,11 @@ def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
     if device_type != 'cpu':
         raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers cpu and cuda')
     runtime = {'runtime': CPU_RUNTIME_BYTES}
-    common = (f'{CPU_CONV_SLACK:.0%} more than each ungrouped convolution result, runtime {CPU_RUNTIME_BYTES // MiB} '
-              f'MiB (measured with the steady heap, oneDNN off); weights built before the budget counts')
+    common = (f'runtime {CPU_RUNTIME_BYTES // MiB} MiB (measured with the steady heap); weights built before the '
+              f'budget counts')
     if onednn:
-        return DeviceModel('cpu (oneDNN on)', cpu_heap_bytes, fixed=runtime, uncounted=('weights',),
+        return DeviceModel('cpu (oneDNN on)', fixed=runtime, uncounted=('weights',),
                            assumptions=f'CPU with oneDNN: its scratchpads not modelled, {common}')
-    return DeviceModel('cpu (oneDNN off)', cpu_heap_bytes, slow_conv_workspace, fixed=runtime, uncounted=('weights',),
-                       assumptions=f'CPU without oneDNN: grouped convolutions\' buffers, {common}')
+    return DeviceModel('cpu (oneDNN off)', workspace=slow_conv_workspace, kept=nnpack_kept, fixed=runtime,
+                       uncounted=('weights',),
+                       assumptions=f'CPU without oneDNN: grouped convolutions\' buffers, NNPACK\'s workspace, {common}')

@@ -36,7 +36,7 @@ from .trial import probe_input_size, trial_loop, trial_train_step
 
 __all__ = ['TRACE_BATCHES', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
-TRACE_BATCHES = (8, 16, 32)  # three sizes: a line per category, and a check that it is one
+TRACE_BATCHES = (16, 32, 64)  # three sizes, a line per category; from 16 on CPU convolutions take NNPACK (oneDNN off)
 WARMUP_BATCH = 2  # the warm-up update that creates the optimizer state (batch norm needs 2 samples)
 CPU = torch.device('cpu')
 
@@ -127,7 +127,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                                         grad_scaler=None)
             step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
             weights = [*stack.task.parameters(), *stack.task.buffers()]
-            tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace)
+            tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)
             try:
                 with tracker:
                     step(WARMUP_BATCH)
@@ -191,6 +191,8 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     device = device_model(device_type, onednn)
 
     def trace() -> dict:
+        if device_type == 'cpu':
+            torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
         try:
             e = _trace(args, device, batches)
         except EstimateError as error:

@@ -9,6 +9,7 @@ it, in one of five categories, and the peak of their sum is kept with the split 
 * activations: what the forward pass creates (what autograd saves for the backward, the outputs);
 * temporaries: what the backward creates that is not a gradient, and everything else;
 * allocator: what the device's allocator hands out beyond the bytes asked for (`allocated`);
+* library: what a kernel library keeps between ops once an op asked for it (`kept`: NNPACK's workspace);
 * workspace: what the op running at the peak needs for itself (`workspace`).
 
 Under a `FakeTensorMode` nothing is allocated, so this traces a step of any size in the time of its Python.
@@ -26,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ['CATEGORIES', 'LiveBytes']
 
-CATEGORIES = ('weights', 'gradients', 'optimizer', 'activations', 'temporaries', 'allocator', 'workspace')
+CATEGORIES = ('weights', 'gradients', 'optimizer', 'activations', 'temporaries', 'allocator', 'library', 'workspace')
 
 
 class LiveBytes(TorchDispatchMode):
@@ -38,12 +39,16 @@ class LiveBytes(TorchDispatchMode):
         allocated: The bytes the device's allocator hands out for n bytes made by an op, given (the op and its
             args, or None and () for the weights; n) (default: n).
         workspace: Bytes an op needs for itself while it runs, given (op, args, its result) (default: none).
+        kept: Bytes a library keeps from an op on, given (op, args, its result); the largest ask stays (default:
+            none).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], weights: Iterable[torch.Tensor] = (),
                  allocated: Callable[[object, tuple, int], int] = lambda func, args, n: n,
-                 workspace: Optional[Callable[[object, tuple, object], int]] = None):
+                 workspace: Optional[Callable[[object, tuple, object], int]] = None,
+                 kept: Optional[Callable[[object, tuple, object], int]] = None):
         super().__init__()
+        self.kept = kept
         self.allocated = allocated
         self.workspace = workspace
         self.live: Dict[str, int] = dict.fromkeys(CATEGORIES, 0)
@@ -119,5 +124,7 @@ class LiveBytes(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._file(tensor, category, func, args)
+        if self.kept is not None:
+            self.live['library'] = max(self.live['library'], self.kept(func, args, out))
         self._note_peak(self.workspace(func, args, out) if self.workspace is not None else 0)
         return out
