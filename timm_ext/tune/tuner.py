@@ -201,7 +201,7 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     else:
         if max_batch < needed:
             why = f'the training split holds only {max_batch} samples per rank'
-        elif outcome.selection.batch_size >= needed:
+        elif outcome.selection.batch_size >= max(splits.sizes):  # the largest split fits: the plan asks for more
             why = '--log-noise-scale on one process needs two batch sizes in every update'
         else:
             why = f'a batch of {needed} per rank does not fit'
