@@ -2,6 +2,7 @@
 
     python bench/bench_estimate.py                       # six families, 1 GiB, oneDNN off and on
     python bench/bench_estimate.py --models resnet18:112 --budget 1GiB --onednn off
+    python bench/bench_estimate.py --device cuda         # on a GPU: the CUDA estimate against max_memory_reserved
 
 The oracle is the largest batch whose warm-up update and one timed update hold under the cap (RLIMIT_DATA), each
 trial forked from a fresh process that has built the run with train.py's steady heap (as the probe's CPU trials are):
@@ -22,9 +23,13 @@ DEFAULT_MODELS = ('resnet18:112', 'efficientnet_b0:128', 'convnext_atto:128', 'v
 CALIBRATED_ON = {'resnet18', 'efficientnet_b0', 'vit_tiny_patch16_224'}  # the CPU constants' fit
 
 
-def run_args(model: str, img: str):
+CUDA_MODELS = ('resnet50:224', 'vit_small_patch16_224:224', 'efficientnet_b0:224', 'convnext_tiny:224')
+CUDA_BATCHES = (32, 64, 128)
+
+
+def run_args(model: str, img: str, *extra: str):
     from timm_ext.train.args import parse_args
-    args, _ = parse_args(['--model', model, '--img-size', img, '--device', 'cpu', '--num-classes', '1000'])
+    args, _ = parse_args(['--model', model, '--img-size', img, '--device', 'cpu', '--num-classes', '1000', *extra])
     args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
     return args
 
@@ -60,13 +65,56 @@ def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
     return fit
 
 
+def cuda_check(models, batches) -> int:
+    """The CUDA model on a GPU: predicted peak against `max_memory_reserved` of a real probe trial (--amp, AdamW)."""
+    import torch
+    from timm_ext.cuda_backends import configure_cuda_backends
+    from timm_ext.memory import PeakMeter, format_bytes, free_memory
+    from timm_ext.probe.estimate import estimate_memory
+    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.trial import build_train_trial
+    extra = ('--amp', '--opt', 'adamw')
+    # every trace first: a trace runs in a forked child, which must not inherit a CUDA context
+    estimates = {spec: estimate_memory(run_args(*spec.split(':'), *extra), 'cuda') for spec in models}
+    device = torch.device('cuda')
+    configure_cuda_backends(device)
+    print('| model | batch | estimate | max_memory_reserved | estimate / reserved |')
+    print('|---|---|---|---|---|')
+    ratios = []
+    for spec, estimate in estimates.items():
+        args = run_args(*spec.split(':'), *extra, '--device', 'cuda')
+        setup = build_train_trial(args, device)
+        trial = measured_trial(setup.step, device, PeakMeter(device), warmup_steps=1, timed_steps=1,
+                               before=setup.reset)
+        for batch in batches:
+            real = trial(batch)
+            if not real.fits:
+                print(f'| {spec} | {batch} | {format_bytes(estimate.peak(batch))} | {real.status} | - |')
+                continue
+            ratios.append(estimate.peak(batch) / real.peak_bytes)
+            print(f'| {spec} | {batch} | {format_bytes(estimate.peak(batch))} | {format_bytes(real.peak_bytes)} | '
+                  f'{ratios[-1]:.2f} |', flush=True)
+        del setup, trial
+        free_memory(device)
+    if not ratios:
+        print('RESULT: no trial fitted')
+        return 1
+    print(f'RESULT: estimate / max_memory_reserved {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} trials')
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS), metavar='MODEL:IMG')
     parser.add_argument('--budget', default='1GiB')
     parser.add_argument('--onednn', choices=('off', 'on', 'both'), default='both')
+    parser.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
+                        help='cuda: the CUDA model against max_memory_reserved on this GPU (models: CUDA_MODELS)')
     parser.add_argument('--oracle', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == 'cuda':
+        models = args.models if args.models != list(DEFAULT_MODELS) else list(CUDA_MODELS)
+        return cuda_check(models, CUDA_BATCHES)
     if args.oracle:
         print(oracle_here(*args.oracle.split(':'), args.budget, args.onednn == 'on'))
         return 0

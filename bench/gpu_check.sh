@@ -16,6 +16,7 @@
 #   bench peak    a probe trial's peak with cuDNN's benchmark search inside / outside the measured window
 #   stop cost     samples/s with and without the old per-update stop flag (all-reduce read on the host)
 #   sticky error  a trial that breaks the CUDA context: one error trial, no second raise from the cleanup
+#   estimate      the memory estimate for CUDA against max_memory_reserved of real trials (bench/bench_estimate.py)
 # Samples/s come from the wall clock between train.py's progress lines (each one syncs the GPU), after the first
 # two. One summary table at the end; the exit status is 1 if any part failed. --dry-run prints every command and
 # runs nothing. Logs and outputs go to DIR (default: output/gpu_check).
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --out) OUT="$2"; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -227,6 +228,13 @@ for PART in 'bench peak:peak:300' 'stop cost:stop-cost:240' 'sticky error:sticky
     row "$LABEL" FAIL "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/$LOG.log" 2>/dev/null | tail -1 | cut -c9-) see $OUT/$LOG.log"
   fi
 done
+
+# ---- the memory estimate against the allocator (bench/bench_estimate.py --device cuda) ----------------------------
+if run estimate 300 "$PY" "$REPO/bench/bench_estimate.py" --device cuda; then
+  [ "$DRY_RUN" = 1 ] || row estimate ok "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/estimate.log" | tail -1 | cut -c9-)"
+else
+  row estimate FAIL "$ELAPSED" "see $OUT/estimate.log"
+fi
 
 [ "$DRY_RUN" = 1 ] && exit 0
 show_trials "$OUT/tune_max.log" 'tune_batch.py --select max'
