@@ -122,7 +122,7 @@ def main() -> int:
     from timm_ext.probe.estimate import estimate_memory
     budget = parse_budget(args.budget).num_bytes
     settings = {'off': [False], 'on': [True], 'both': [False, True]}[args.onednn]
-    print(f'| model | img | oneDNN | estimate | oracle | estimate / oracle | estimate s | calibration |')
+    print('| model | img | oneDNN | estimate | oracle | estimate / oracle | estimate s | calibration |')
     print('|---|---|---|---|---|---|---|---|')
     for spec in args.models:
         model, img = spec.split(':')

@@ -127,27 +127,6 @@ def end_process_group(wait: bool = True, timeout: float = 60.0) -> None:
     dist.destroy_process_group()
 
 
-def end_process_group(wait: bool = True, timeout: float = 60.0) -> None:
-    """Destroy the default process group (if any), first waiting up to `timeout` seconds for every rank to get here.
-
-    Why the wait: a rank that destroys its group (and exits) while a peer is still working closes the gloo pairs under
-    the peer's feet, and the peer can abort with "terminate called without an active exception". A rank that ends on
-    an error passes `wait=False`: its peers may never arrive, and the destroy alone is then the right end.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    if wait:
-        try:
-            if dist.get_backend() == 'gloo':  # gloo's barrier can be bounded; a late peer is an error, not a hang
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
-            else:
-                dist.barrier()
-        except RuntimeError as e:  # a peer died or is late: still destroy, and say so
-            print(f'warning: rank {dist.get_rank()} ended without the other ranks: {" ".join(str(e).split())[:160]}',
-                  file=sys.stderr)
-    dist.destroy_process_group()
-
-
 def ddp_device_ids(device: torch.device) -> Optional[List[torch.device]]:
     """``device_ids`` for DistributedDataParallel: the accelerator, or None for a CPU module."""
     return None if device.type == 'cpu' else [device]
