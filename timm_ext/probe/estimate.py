@@ -17,8 +17,6 @@ left out of the trace (its overflow check reads a value; it holds two scalars an
 """
 import argparse
 import dataclasses
-import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -31,7 +29,7 @@ from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from .device_memory import DeviceModel, device_model
 from .memory_trace import CATEGORIES, LiveBytes
-from .search import die_with_parent
+from .search import call_forked
 from .trial import probe_input_size, trial_loop, trial_train_step
 
 __all__ = ['TRACE_BATCHES', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
@@ -153,26 +151,7 @@ def in_child(fn: Callable[[], dict]) -> Optional[dict]:
     Why: a fake-tensor backward starts autograd's threads, and a process that has run them cannot fork the probe's CPU
     trials any more (torch refuses autograd in such a child), so every trace runs in a child of its own.
     """
-    read_fd, write_fd = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        try:
-            die_with_parent(parent)
-            os.close(read_fd)
-            torch.set_num_threads(1)
-            os.write(write_fd, json.dumps(fn()).encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    try:
-        chunks = []
-        while chunk := os.read(read_fd, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-        os.waitpid(pid, 0)
-    return json.loads(b''.join(chunks)) if chunks else None
+    return call_forked(fn, threads=2)[0]  # the child computes with one thread, as the probe's trials do
 
 
 def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,

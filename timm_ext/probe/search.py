@@ -40,7 +40,7 @@ __all__ = [
     'Selection', 'HeadroomAccept', 'PeakModel', 'MAX_GROWTH', 'SETTLE_TOL', 'default_batch_multiple', 'default_grid',
     'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
     'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',
-    'timing_spread', 'die_with_parent', 'run_forked',
+    'timing_spread', 'die_with_parent', 'call_forked', 'run_forked',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -783,20 +783,13 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:
-    """Run `trial_fn` in a forked child process and return its trial (Linux CPU trials).
+def call_forked(fn: Callable[[], object], threads: int = 1) -> Tuple[Optional[object], int]:
+    """Run `fn` in a forked child (which dies with this process) and return its JSON-able answer and wait status.
 
-    Why: on CPU a process does not give memory back between trials. glibc keeps its heap high-water mark and
-    oneDNN caches the primitives (with their buffers) of every shape it has run, so under RLIMIT_DATA each trial
-    would pay for the ones before it. A fork starts every trial from the same state, exactly as a fresh process
-    would, and the rlimit is inherited. oneDNN also does not check every allocation: under a cap a child can die of
-    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the training probe first runs the same step
-    uncapped, so a step that crashes anyway is reported as the run's failure), never as a crash of the caller.
-
-    GNU OpenMP's thread pool does not survive fork; if this process already runs other threads, the child computes
-    with one thread.
+    The answer is None when the child gave none (it died, or `fn` raised). With `threads` > 1 (this process runs
+    other threads, whose GNU OpenMP pool does not survive a fork) the child computes with one thread. Interrupted
+    while the child runs, this kills it before the interrupt goes on.
     """
-    threads = len(os.listdir('/proc/self/task'))
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -807,8 +800,7 @@ def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> 
             os.close(read_fd)
             if threads > 1:
                 torch.set_num_threads(1)
-            trial = trial_fn()
-            os.write(write_fd, json.dumps(trial.to_dict()).encode())
+            os.write(write_fd, json.dumps(fn()).encode())
         except BaseException:  # noqa: B036 - the child must exit here whatever happens
             status = 1
         finally:
@@ -825,11 +817,29 @@ def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> 
         if pid:  # interrupted while the child runs: stop it, then let the interrupt through
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+    return (json.loads(b''.join(chunks)) if chunks else None), wait_status
+
+
+def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:
+    """Run `trial_fn` in a forked child process and return its trial (Linux CPU trials).
+
+    Why: on CPU a process does not give memory back between trials. glibc keeps its heap high-water mark and
+    oneDNN caches the primitives (with their buffers) of every shape it has run, so under RLIMIT_DATA each trial
+    would pay for the ones before it. A fork starts every trial from the same state, exactly as a fresh process
+    would, and the rlimit is inherited. oneDNN also does not check every allocation: under a cap a child can die of
+    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the training probe first runs the same step
+    uncapped, so a step that crashes anyway is reported as the run's failure), never as a crash of the caller.
+
+    GNU OpenMP's thread pool does not survive fork; if this process already runs other threads, the child computes
+    with one thread.
+    """
+    threads = len(os.listdir('/proc/self/task'))
+    reply, wait_status = call_forked(lambda: trial_fn().to_dict(), threads)
     if threads > 1 and not _SINGLE_THREAD_NOTE[0]:
         _SINGLE_THREAD_NOTE[0] = True
         _logger.info('Probe trials run in forked processes with 1 CPU thread (this process already runs threads).')
-    if chunks:
-        return Trial.from_dict(json.loads(b''.join(chunks)))
+    if reply is not None:
+        return Trial.from_dict(reply)
     if os.WIFSIGNALED(wait_status):
         sig = signal.Signals(os.WTERMSIG(wait_status)).name
         if capped and os.WTERMSIG(wait_status) in (signal.SIGSEGV, signal.SIGBUS, signal.SIGKILL):
