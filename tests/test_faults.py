@@ -238,11 +238,13 @@ def test_two_writers_at_once_never_leave_half_a_file(tmp_path):
 # ---- SIGKILL during a probe ----------------------------------------------------------------------------------------
 
 def test_sigkill_during_probe_leaves_no_trial_process(long_folder, tmp_path):
-    """The trial after the first (batch 64 at 160 px) takes seconds; its process must end with the killed probe."""
+    """The trial after the first (a large batch at 160 px) takes seconds; its process must end with the killed probe.
+    --select max: the search for the largest batch always checks above its first fit (a recipe's split may need one
+    trial only)."""
     proc = subprocess.Popen(
         [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(long_folder), '--model', 'test_resnet',
          '--device', 'cpu', '--num-classes', '3', '--img-size', '160', '-j', '0', '--mem-budget', '600MiB',
-         '--probe-start', '32', '--dry-run'], cwd=tmp_path, env={**ENV, 'TIMM_EXT_CACHE_DIR': str(tmp_path / 'c')},
+         '--select', 'max', '--dry-run'], cwd=tmp_path, env={**ENV, 'TIMM_EXT_CACHE_DIR': str(tmp_path / 'c')},
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         next(line for line in proc.stdout if line.startswith('  batch '))  # the first trial is done
