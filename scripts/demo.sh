@@ -18,7 +18,7 @@ rm -rf "$out/train"
 echo "== probe -> plan -> LR -> config -> train"
 $py tune_batch.py "$data" --model $model --img-size $size --num-classes 3 --device cpu --workers 0 \
   --opt adamw --lr-base 2e-3 --sched cosine --warmup-epochs 1 --epochs 6 --log-interval 5 \
-  --mem-budget 96MiB --target-global-batch 64 \
+  --mem-budget 72MiB --target-global-batch 64 \
   --tuned-config "$out/tuned.yaml" --output "$out" --experiment train "$@"
 
 echo "== validate the best checkpoint (probe-first --retry from batch 1024)"
