@@ -244,13 +244,13 @@ def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_f
     cache = tmp_path / 'cache'
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TIMM_EXT_CACHE_DIR': str(cache)}
     proc = subprocess.Popen(
-        # --select throughput re-times the close sizes: trials remain after the first (the aimed probe needs few)
         [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), *RUN, *BUDGET,
          '--select', 'throughput', '--dry-run'], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
-        for line in proc.stdout:  # interrupt once the first trial is reported
-            if line.startswith('  batch '):
+        # interrupt as the probe starts: the aimed probe needs few trials, so after its first there may be none left
+        for line in proc.stdout:
+            if line.startswith('Probe: '):
                 proc.send_signal(signal.SIGINT)
                 break
         out, err = proc.communicate(timeout=120)
@@ -466,4 +466,6 @@ def test_batch_ramp_under_select_max_reuses_its_probe(tmp_path, image_folder):
     assert result.returncode == 0, result.stderr[-3000:]
     reported = int(re.search(r'largest batch that fits within the headroom \((\d+) trials\)', result.stdout).group(1))
     assert len(trial_lines(result.stdout)) == reported, 'the largest micro-batch is --select max\'s own: no probe more'
-    assert 'nothing above the micro-batch' in result.stdout and '--batch-ramp-max-micro' not in result.stdout
+    # near a 44 MiB cap oneDNN's per-shape buffers can let the split's size itself fit: then it is the largest too
+    assert ('nothing above the micro-batch' in result.stdout or 'already the split per rank' in result.stdout)
+    assert '--batch-ramp-max-micro' not in result.stdout

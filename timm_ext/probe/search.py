@@ -792,7 +792,10 @@ def call_forked(fn: Callable[[], object], threads: int = 1) -> Tuple[Optional[ob
     """
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
+    # a Ctrl-C that lands inside fork's own handlers (logging's lock release) is swallowed there: hold it until after
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pid = os.fork()
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if pid == 0:  # child: never returns
         status = 0
         try:
