@@ -244,11 +244,13 @@ def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_f
     cache = tmp_path / 'cache'
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TIMM_EXT_CACHE_DIR': str(cache)}
     proc = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), *RUN, *BUDGET,
-         '--select', 'throughput', '--dry-run'], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        # trials at 160 px take seconds, so the interrupt lands inside the probe (the aimed probe needs few trials, and
+        # at 32 px a loaded machine could read the line after the run had ended)
+        [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), *RUN, '--img-size', '160',
+         '--mem-budget', '600MiB', '--select', 'max', '--dry-run'], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
-        # interrupt as the probe starts: the aimed probe needs few trials, so after its first there may be none left
+        # interrupt as the probe starts
         for line in proc.stdout:
             if line.startswith('Probe: '):
                 proc.send_signal(signal.SIGINT)
@@ -259,7 +261,7 @@ def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_f
     assert proc.returncode == 130, err[-3000:]
     assert 'interrupted' in err and 'Traceback' not in err
     assert not cache.exists() or not any(cache.iterdir())
-    assert not (tmp_path / 'output' / 'tune' / 'test_resnet-32.yaml').exists()
+    assert not (tmp_path / 'output' / 'tune' / 'test_resnet-160.yaml').exists()
 
 
 def test_tune_then_train_then_validate(tmp_path, image_folder):

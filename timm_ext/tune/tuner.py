@@ -141,7 +141,8 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
             atomic_text(trials_to_json(table, request=key, complete=False), request.trials_path)
 
     try:
-        prior = request.prior if request.phase == 'train' else None  # the estimate is of the training step
+        # the estimate is of the training step; a throughput choice needs the smaller sizes timed too, not skipped
+        prior = request.prior if request.phase == 'train' and probe_select == 'max' else None
         outcome = probe_train_batch(setup, budget_bytes, args.mem_headroom, probe_select, args.throughput_tol,
                                     start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS, prior)
     except NothingFitsError as e:
