@@ -240,6 +240,12 @@ def test_non_oom_failure_stops_without_retries(tmp_path, image_folder):
     assert len(lines) == 1 and ': error ValueError' in lines[0], 'the failed size is not retried, nor a smaller one'
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # a suite started as a background job (`... &` in a script) inherits SIGINT ignored, and Python then keeps it
+    # ignored: the child must get the disposition a terminal gives it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_folder):
     cache = tmp_path / 'cache'
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TIMM_EXT_CACHE_DIR': str(cache)}
@@ -248,7 +254,7 @@ def test_ctrl_c_mid_probe_lifts_cap_and_leaves_cache_untouched(tmp_path, image_f
         # at 32 px a loaded machine could read the line after the run had ended)
         [sys.executable, str(REPO_ROOT / 'tune_batch.py'), '--data-dir', str(image_folder), *RUN, '--img-size', '160',
          '--mem-budget', '600MiB', '--select', 'max', '--dry-run'], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         # interrupt as the probe starts
         for line in proc.stdout:
