@@ -61,7 +61,7 @@ class MemoryEstimate:
     seconds: float
 
     def categories(self, batch_size: int) -> Dict[str, float]:
-        """Predicted bytes of each category at the peak, the device's additions included (`device.extra`)."""
+        """Predicted bytes of each category at the peak, the device's fixed categories included."""
         # unclipped: the lines add up to the line of the traced peak (least squares is linear), whichever category
         # the peak's moment moves between as the batch grows
         split = {name: a + b * batch_size for name, (a, b) in self.lines.items()}
