@@ -16,6 +16,7 @@ import torch.nn as nn
 from timm.task import ClassificationTask
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from timm_ext.distributed import end_process_group
 from timm_ext.train.loop import LoopConfig, TrainLoop
 from timm_ext.train.stop_signal import StopOnSignal, TrainingStopped
 
@@ -81,7 +82,7 @@ def main(report_path: str) -> None:
     stop.restore()
     with open(f'{report_path}.{rank}.json', 'w') as f:
         json.dump({'costs': costs, 'stopped': stopped}, f)
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 if __name__ == '__main__':

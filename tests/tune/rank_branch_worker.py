@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from timm_ext.distributed import init_device
+from timm_ext.distributed import end_process_group, init_device
 from timm_ext.probe.search import FIT, Selection, Trial
 from timm_ext.probe.trial import ProbeOutcome
 from timm_ext.train.args import parse_args
@@ -46,7 +46,7 @@ def main(report_path: str) -> None:
     with open(f'{report_path}.{args.rank}.json', 'w') as f:
         json.dump({'rank': args.rank, 'lines': tuned.lines}, f)
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # all ranks wait here, then the group goes (a rank leaving early aborts gloo)
 
 
 if __name__ == '__main__':
