@@ -29,7 +29,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ['DeviceModel', 'device_model', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN', 'CUDA_CONTEXT_BYTES',
+__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
+           'CUDA_CONTEXT_BYTES',
            'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES']
 
 MiB = 1 << 20
@@ -135,6 +136,11 @@ def cudnn_workspace(func, args: tuple, out) -> int:
     if func not in _CONVOLUTIONS:
         return 0
     return _nbytes(args[1] if func is torch.ops.aten.convolution_backward.default else args[0])
+
+
+def onednn_runs(device_type: str) -> bool:
+    """Whether this process would run CPU convolutions in oneDNN (the model a CPU estimate for it takes)."""
+    return device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
 def device_model(device_type: str, onednn: bool = False) -> DeviceModel:

@@ -13,6 +13,7 @@ from typing import List, Optional, Set, Tuple
 import torch
 
 from ..memory import BudgetError, MemoryBudget, default_headroom, format_bytes, parse_budget
+from ..probe.device_memory import onednn_runs
 from ..probe.estimate import MemoryEstimate, estimate_memory
 from ..probe.search import NothingFitsError, default_grid
 from ..probe.trial import nothing_fits_advice
@@ -122,7 +123,7 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
         args.mem_headroom = default_headroom(torch.device(device_type))
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
-    onednn = device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    onednn = onednn_runs(device_type)
     estimate = estimate_memory(run_args, device_type, onednn)
     recipe_global, _ = recipe_global_batch(args, given, world_size)
     plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global)

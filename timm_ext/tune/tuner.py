@@ -22,6 +22,7 @@ from timm.models import safe_model_name
 from ..atomic_files import atomic_text
 from ..memory import MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory
 from ..probe.cache import ProbeCache, probe_key
+from ..probe.device_memory import onednn_runs
 from ..probe.estimate import EstimateError, estimate_memory
 from ..probe.search import (
     BatchGrid, NothingFitsError, SplitGrid, default_grid, format_trial, select_batch_size, trials_to_json,
@@ -338,7 +339,7 @@ def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Tu
     prior, line = None, ''
     if args.rank == 0:
         try:
-            onednn = device.type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            onednn = onednn_runs(device.type)
             estimate = estimate_memory(args, device.type, onednn)
             prior = estimate.line()
             line = (f'Estimate: peak ~ {format_bytes(prior[0])} + {format_bytes(prior[1])} per sample '
