@@ -36,7 +36,8 @@ from ..memory import PeakMeter, device_broken, format_bytes, free_memory, free_m
 from ..oom import is_oom
 
 __all__ = [
-    'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'SplitGrid', 'ProbeError', 'NothingFitsError', 'TrialError',
+    'Trial', 'TrialFn', 'BatchGrid', 'DecayGrid', 'MultipleGrid', 'SplitGrid', 'ProbeError', 'NothingFitsError',
+    'TrialError',
     'Selection', 'HeadroomAccept', 'PeakModel', 'MAX_GROWTH', 'SETTLE_TOL', 'default_batch_multiple', 'default_grid',
     'search_batch_size', 'select_batch_size', 'headroom_accept', 'agree_across_ranks', 'format_trial',
     'format_table', 'trials_to_json', 'measured_trial', 'SELECT_MODES', 'retime_candidates', 'retime_trials',

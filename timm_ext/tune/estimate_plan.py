@@ -95,8 +95,9 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
         if p.plan is None:
             lines.append(f'{p.budget_text:>10s}   nothing fits (not even batch 1 within the headroom)')
             continue
+        peak = format_bytes(estimate.peak(p.plan.micro_batch))
         lines.append(f'{p.budget_text:>10s} {p.micro_batch:>11d} {p.plan.micro_batch:>12d} {p.plan.accum_steps:>6d} '
-                     f'{p.plan.global_batch:>7d} {p.plan.lr:>9.4g} {format_bytes(estimate.peak(p.plan.micro_batch)):>15s}')
+                     f'{p.plan.global_batch:>7d} {p.plan.lr:>9.4g} {peak:>15s}')
     return lines
 
 
