@@ -105,7 +105,7 @@ def test_a_cuda_estimate_runs_without_a_gpu_and_rounds_like_the_caching_allocato
     args = run_args('--amp')
     cuda = estimate_memory(args, 'cuda')
     cpu = estimate_memory(args, 'cpu')
-    assert 'not yet checked on a GPU' in cuda.device.assumptions
+    assert 'not yet measured on a GPU' in cuda.device.assumptions
     split = cuda.categories(64)
     assert split['allocator'] > 0  # storages rounded up to the caching allocator's blocks
     assert cuda.device.counted(split) == pytest.approx(sum(split.values()))  # a CUDA budget counts the weights too

@@ -17,29 +17,38 @@ estimate):
   (`bench/bench_estimate.py`). With oneDNN on, convolutions keep scratchpads and reordered weights per shape instead,
   which are not modelled.
 * CUDA: the caching allocator rounds every request up to 512 bytes and larger ones (over 10 MiB) to 2 MiB, and
-  the free tails of its segments are assumed `CUDA_SEGMENT_SLACK` of what is live; cuBLAS keeps a workspace
+  the free tails of its segments at the peak are `CUDA_SEGMENT_SLACK` of what is live; cuBLAS keeps a workspace
   (`CUBLAS_WORKSPACE_BYTES`); cuDNN's workspace for a convolution is assumed at most the size of its input. The CUDA
-  context (`CUDA_CONTEXT_BYTES`) lies outside the allocator: an absolute budget is read as the card's memory, and
-  the context comes off it. Autocast is traced with CPU autocast's casts, which agree with CUDA's for convolutions,
-  matmuls, linear layers and attention (where the activations are). None of this has been checked on a GPU yet:
-  `bench/gpu_check.sh` compares it with `torch.cuda.max_memory_reserved`.
+  context (`CUDA_CONTEXT_BYTES`) lies outside the allocator. A budget given as a card's nominal size ('24GiB', '80GB')
+  is read as that card: CUDA reports `CARD_REPORTED_SHARE` of it as total memory (an RTX 3090 sold as 24 GB shows
+  23.7 GiB), and the context comes off that. AMP is traced under CPU autocast with CUDA autocast's float32 casts
+  replayed (`timm_ext.probe.cuda_autocast`). Under gradient accumulation every micro-batch after the first runs with
+  the gradients resident (`MemoryEstimate.peak(..., accumulating=True)`). The constants were set against timm's
+  published GPU tables (`bench/bench_gpu_tables.py`, docs/gpu.md); a GPU check is `bench/gpu_check.sh`.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
-           'CUDA_CONTEXT_BYTES',
-           'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES']
+from ..memory import BudgetError, MemoryBudget
+
+__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'card_memory', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
+           'CUDA_CONTEXT_BYTES', 'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES', 'CARD_REPORTED_SHARE']
 
 MiB = 1 << 20
 CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyond its tensors, doubled
 # how far below a real CPU trial's measured peak an estimate may fall (the fit's spread, with a margin)
 CPU_ESTIMATE_MARGIN = 0.15
-CUDA_CONTEXT_BYTES = 600 * MiB  # outside the allocator: the CUDA context with cuBLAS / cuDNN handles (assumed)
+GiB = 1 << 30
+CUDA_CONTEXT_BYTES = 600 * MiB  # outside the allocator: the CUDA context with cuBLAS / cuDNN handles
 CUBLAS_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's default workspace on recent GPUs, inside the allocator
-CUDA_SEGMENT_SLACK = 0.05  # free tails of the caching allocator's segments at the peak (assumed)
+CUDA_SEGMENT_SLACK = 0.05  # free tails of the caching allocator's segments at the peak
+# what CUDA reports as total memory of a card sold as N GB: 0.9875 on an RTX 3090, 0.980 on an RTX 5090, 0.99 on
+# A100 / H100 / H200 (the cards' public specifications against `total_memory`); ECC-on GDDR cards (T4, A10, L4) lose
+# 6% more, which a nominal size cannot tell: give such a card's budget as the size CUDA shows
+CARD_REPORTED_SHARE = 0.985
+NOMINAL_CARD_GB = (4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 180, 192, 288)
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
@@ -54,6 +63,7 @@ class DeviceModel:
         workspace: Bytes an op allocates for itself while it runs, given (op, args, its result); None: none.
         kept: Bytes a library keeps from an op on (the largest ask stays), given (op, args, its result); None: none.
         fixed: Categories the device adds whatever the batch, name -> bytes.
+        segment_slack: The allocator's free segment tails at the peak, a share of the tensors' bytes ('segments').
         uncounted: Categories the budget does not count (CPU: the weights, built before the cap is set).
         context_bytes: Memory outside the allocator taken off an absolute budget.
         assumptions: One line on what this model assumes (the report's and the YAML's header).
@@ -63,17 +73,19 @@ class DeviceModel:
     workspace: Optional[Callable[[object, tuple, object], int]] = None
     kept: Optional[Callable[[object, tuple, object], int]] = None
     fixed: Dict[str, int] = field(default_factory=dict)
+    segment_slack: float = 0.0
     uncounted: Tuple[str, ...] = ()
     context_bytes: int = 0
     assumptions: str = ''
 
     @property
     def extra_names(self) -> Tuple[str, ...]:
-        return tuple(self.fixed)
+        return ('segments',) * bool(self.segment_slack) + tuple(self.fixed)
 
     def on_device(self, split: Dict[str, float]) -> Dict[str, float]:
-        """A traced split with the device's fixed categories added."""
-        return {**split, **self.fixed}
+        """A traced split with the allocator's segment tails and the device's fixed categories added."""
+        segments = {'segments': self.segment_slack * sum(split.values())} if self.segment_slack else {}
+        return {**split, **segments, **self.fixed}
 
     def counted(self, split: Dict[str, float]) -> float:
         """The bytes of `split` the budget counts."""
@@ -82,6 +94,34 @@ class DeviceModel:
     def usable(self, budget: int) -> int:
         """What an absolute budget leaves the allocator (the card's memory, less what lies outside it)."""
         return max(0, budget - self.context_bytes)
+
+    def plan_in(self, budget: MemoryBudget, text: str) -> Tuple[int, int]:
+        """(the budget's bytes, what the allocator may use of them) for a budget as written (`text`).
+
+        A size is the planned machine's (on CUDA a card's nominal size is read as that card, `card_memory`), and the
+        context comes off it; a fraction is of what the device here can still give, the context already out of it.
+
+        Raises:
+            BudgetError: A fraction of a CUDA device that is not here.
+        """
+        if budget.fraction is None:
+            num_bytes = card_memory(budget.num_bytes) if self.context_bytes else budget.num_bytes
+            return num_bytes, self.usable(num_bytes)
+        device = torch.device('cuda' if self.name == 'cuda' else 'cpu')
+        if device.type == 'cuda' and not torch.cuda.is_available():
+            raise BudgetError(f"--mem-budget {text}: a fraction of a GPU needs the GPU; give the card's memory as a "
+                              f"size, e.g. '80GiB'")
+        num_bytes = budget.resolve(device)
+        return num_bytes, num_bytes
+
+
+def card_memory(num_bytes: int) -> int:
+    """The memory CUDA reports for a budget of `num_bytes`: a card's nominal size (24 GiB or 24 GB, say) is read as
+    that card, whose reported total is `CARD_REPORTED_SHARE` of it; any other size is taken as given."""
+    for gb in NOMINAL_CARD_GB:
+        if num_bytes in (gb * GiB, gb * 10 ** 9):
+            return int(gb * GiB * CARD_REPORTED_SHARE)
+    return num_bytes
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -115,11 +155,11 @@ def nnpack_kept(func, args: tuple, out) -> int:
 
 
 def caching_allocator_bytes(func, args: tuple, n: int) -> int:
-    """What CUDA's caching allocator reserves for a request of `n` bytes, its segment's free tail included."""
+    """The block CUDA's caching allocator hands out for a request of `n` bytes (its segments' tails apart)."""
     block = max(512, -(-n // 512) * 512)
     if block > 10 * MiB:
         block = -(-block // (2 * MiB)) * (2 * MiB)
-    return int(block * (1 + CUDA_SEGMENT_SLACK))
+    return block
 
 
 def _groups(func, args: tuple) -> Optional[int]:
@@ -148,11 +188,12 @@ def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
     if device_type == 'cuda':
         return DeviceModel(
             'cuda', caching_allocator_bytes, cudnn_workspace, fixed={'cublas': CUBLAS_WORKSPACE_BYTES},
-            context_bytes=CUDA_CONTEXT_BYTES,
+            segment_slack=CUDA_SEGMENT_SLACK, context_bytes=CUDA_CONTEXT_BYTES,
             assumptions=(f'CUDA caching allocator rounding (512 B, 2 MiB segments, {CUDA_SEGMENT_SLACK:.0%} segment '
                          f'tails), cuBLAS workspace {CUBLAS_WORKSPACE_BYTES // MiB} MiB, cuDNN workspace <= a '
-                         f'convolution\'s input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB off an absolute budget, '
-                         f'CPU autocast casts; not yet checked on a GPU'))
+                         f'convolution\'s input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read '
+                         f'as {CARD_REPORTED_SHARE:.1%} of it, CUDA autocast\'s float32 casts; set against timm\'s '
+                         f'published GPU tables, not yet measured on a GPU'))
     if device_type != 'cpu':
         raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers cpu and cuda')
     runtime = {'runtime': CPU_RUNTIME_BYTES}

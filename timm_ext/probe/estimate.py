@@ -16,6 +16,7 @@ be traced: `EstimateError` says so in one line and the caller probes without the
 left out of the trace (its overflow check reads a value; it holds two scalars and unscales in place).
 """
 import argparse
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -27,16 +28,20 @@ from ..errors import TimmExtError
 from ..memory import format_bytes
 from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
+from .cuda_autocast import CudaAutocastCasts
 from .device_memory import DeviceModel, device_model
 from .memory_trace import CATEGORIES, LiveBytes
 from .search import call_forked
-from .trial import probe_input_size, trial_loop, trial_train_step
+from .trial import _eval_forward, probe_input_size, trial_loop, trial_train_step
 
-__all__ = ['TRACE_BATCHES', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
+__all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
 TRACE_BATCHES = (16, 32, 64)  # three sizes, a line per category; from 16 on CPU convolutions take NNPACK (oneDNN off)
 WARMUP_BATCH = 2  # the warm-up update that creates the optimizer state (batch norm needs 2 samples)
 CPU = torch.device('cpu')
+# what is traced: train.py's update; its evaluation between epochs (forward only, the optimizer state resident);
+# validate.py's forward (the weights alone resident)
+STEPS = ('train', 'eval', 'validate')
 
 
 class EstimateError(TimmExtError):
@@ -53,32 +58,43 @@ class MemoryEstimate:
         device: What the device adds, and which categories its budget counts.
         describe: The model, input, precision and optimizer traced.
         seconds: Wall time the estimate took (build and trace).
+        grad_bytes: The gradients' bytes on the device: resident through every micro-batch but the first of an
+            accumulation window (`accumulating`).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
     device: DeviceModel
     describe: str
     seconds: float
+    grad_bytes: int = 0
 
-    def categories(self, batch_size: int) -> Dict[str, float]:
-        """Predicted bytes of each category at the peak, the device's fixed categories included."""
+    def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
+        """Predicted bytes of each category at the peak, the device's fixed categories included.
+
+        Args:
+            batch_size: The micro-batch.
+            accumulating: A micro-batch after the first of an accumulation window: all gradients are resident
+                from its start (the trace's update begins without them).
+        """
         # unclipped: the lines add up to the line of the traced peak (least squares is linear), whichever category
         # the peak's moment moves between as the batch grows
         split = {name: a + b * batch_size for name, (a, b) in self.lines.items()}
+        if accumulating:  # the traced peak may hold some gradients already: the rest comes on top
+            split['gradients'] += max(0.0, self.grad_bytes - split['gradients'])
         return self.device.on_device(split)
 
-    def peak(self, batch_size: int) -> float:
+    def peak(self, batch_size: int, accumulating: bool = False) -> float:
         """Predicted peak in the budget's units (CPU: above what the process held before the step)."""
-        return self.device.counted(self.categories(batch_size))
+        return self.device.counted(self.categories(batch_size, accumulating))
 
-    def line(self) -> Tuple[float, float]:
+    def line(self, accumulating: bool = False) -> Tuple[float, float]:
         """The predicted peak as (bytes at batch 0, bytes per sample): a prior for the probe's search."""
-        at_zero, at_one = self.peak(0), self.peak(1)
+        at_zero, at_one = self.peak(0, accumulating), self.peak(1, accumulating)
         return at_zero, at_one - at_zero
 
-    def largest_batch(self, limit: float) -> int:
+    def largest_batch(self, limit: float, accumulating: bool = False) -> int:
         """The largest batch predicted at or under `limit` bytes (0 when not even 1 is)."""
-        at_zero, per_sample = self.line()
+        at_zero, per_sample = self.line(accumulating)
         if per_sample <= 0:
             raise EstimateError('the traced peak does not grow with the batch size; the estimate cannot aim')
         return max(0, int((limit - at_zero) // per_sample))
@@ -106,7 +122,7 @@ def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
     return mean_v - slope * mean_b, slope
 
 
-def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]) -> MemoryEstimate:
+def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int], step_kind: str) -> MemoryEstimate:
     """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -115,20 +131,28 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     estimate_args = with_values(args, sync_bn=False, torchcompile=None, device='cpu')
     lr = args.lr or args.lr_base
     stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
+    if device.name == 'cuda' and args.model_ema_force_cpu:  # its copy and its updates live on the host, not the card
+        stack.task.trainable_module_ema = None
     input_size = probe_input_size(args, stack.data_config)
+    eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # CUDA autocast's float32 ops replayed under CPU autocast (they only act while autocast is on)
+    casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
     traced: Dict[int, Dict[str, int]] = {}
     try:
         with mode:
             stack.task.to_empty(device=CPU)
             stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
                                         grad_scaler=None)
-            step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
+            train_step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
+            step = train_step if step_kind == 'train' else _eval_forward(args, stack, eval_input_size, CPU)
+            params = [p for p in stack.task.get_trainable_module().parameters() if p.requires_grad]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
             tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)
             try:
-                with tracker:
-                    step(WARMUP_BATCH)
+                with tracker, casts:
+                    if step_kind != 'validate':  # the optimizer state exists when train.py trains or evaluates
+                        train_step(WARMUP_BATCH)
                     for batch_size in batches:
                         tracker.reset_peak()
                         step(batch_size)
@@ -139,10 +163,12 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
         text = ' '.join(str(e).split())[:200]
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
     lines = {name: _fit_line({b: split[name] for b, split in traced.items()}) for name in CATEGORIES}
-    describe = (f'model {args.model} at input {"x".join(map(str, input_size))}, '
+    shown = input_size if step_kind == 'train' else eval_input_size
+    describe = (f'model {args.model} at input {"x".join(map(str, shown))}, '
                 f'{stack.amp.dtype or stack.model_dtype or torch.float32}'.replace('torch.', '')
-                + f', optimizer {args.opt}')
-    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started)
+                + (f', optimizer {args.opt}' if step_kind == 'train' else ', forward only'))
+    grad_bytes = sum(device.allocated(None, (), p.numel() * p.element_size()) for p in params)
+    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes)
 
 
 def in_child(fn: Callable[[], dict]) -> Optional[dict]:
@@ -155,7 +181,7 @@ def in_child(fn: Callable[[], dict]) -> Optional[dict]:
 
 
 def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,
-                    batches: Sequence[int] = TRACE_BATCHES) -> MemoryEstimate:
+                    batches: Sequence[int] = TRACE_BATCHES, step_kind: str = 'train') -> MemoryEstimate:
     """Trace train.py's update for `args` on fake tensors at `batches` (in a child process) and fit each category.
 
     Args:
@@ -163,6 +189,8 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.probe.device_memory.device_model`).
         onednn: CPU: whether oneDNN will run the convolutions.
         batches: The batch sizes traced (at least two).
+        step_kind: One of `STEPS`: 'train' (an update), 'eval' (train.py's evaluation forward, the optimizer state
+            resident) or 'validate' (a forward with the weights alone).
 
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
@@ -173,10 +201,10 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         if device_type == 'cpu':
             torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
         try:
-            e = _trace(args, device, batches)
+            e = _trace(args, device, batches, step_kind)
         except EstimateError as error:
             return dict(error=str(error))
-        return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds)
+        return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes)
 
     reply = in_child(trace)
     if reply is None:
@@ -185,4 +213,4 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         raise EstimateError(reply['error'])
     traced = {int(b): split for b, split in reply['traced'].items()}
     lines = {name: tuple(line) for name, line in reply['lines'].items()}
-    return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'])
+    return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'], reply['grad_bytes'])
