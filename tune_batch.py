@@ -253,9 +253,11 @@ def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace
     command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc,
                             extension_flags(args, parser, extension_dests), topology)
     print('\n'.join(planned.lines))
+    values = config_values(args, parser, stock_dests, chosen)
+    if planned.eval_batch is not None:
+        values['validation_batch_size'] = planned.eval_batch
     os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
-    atomic_text(tuned_config_text(config_values(args, parser, stock_dests, chosen),
-                                  planned.lines + ['', TRAIN_WITH + shell_line(command)]), config_path)
+    atomic_text(tuned_config_text(values, planned.lines + ['', TRAIN_WITH + shell_line(command)]), config_path)
     if topology is not None:
         print(f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.')
     print('\n'.join(['', f'Config: {config_path}', f'Train command: {shell_line(command)}']), flush=True)

@@ -3,8 +3,11 @@
 No real trial runs and the device need not be here: `--device cuda --mem-budget 80GiB` plans a CUDA run on a laptop.
 For each budget the largest micro-batch the estimate (`timm_ext.probe.estimate`) puts under budget x (1 - headroom)
 is planned as the probe's would be (`timm_ext.tune.plan.plan_run`): the recipe's global batch kept at its split, or
-with `--select max` the largest micro-batch, on `--nproc` x `--nnodes` ranks. Several budgets give a "what fits
-where" table; the first budget's plan is the one written as the YAML config and train command.
+with `--select max` the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulates is held to the
+peak of a micro-batch after a window's first, which starts with the gradients resident. train.py's evaluation between
+epochs is estimated too (forward only, the optimizer state resident): its largest batch within the same limit, up to
+`EVAL_MAX_FACTOR` micro-batches, becomes `validation_batch_size`. Several budgets give a "what fits where" table; the
+first budget's plan is the one written as the YAML config and train command.
 """
 import argparse
 from dataclasses import dataclass
@@ -12,18 +15,19 @@ from typing import List, Optional, Set, Tuple
 
 import torch
 
-from ..memory import BudgetError, MemoryBudget, default_headroom, format_bytes, parse_budget
-from ..probe.device_memory import onednn_runs
-from ..probe.estimate import MemoryEstimate, estimate_memory
+from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
+from ..probe.device_memory import device_model, onednn_runs
+from ..probe.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.search import NothingFitsError, default_grid
 from ..probe.trial import nothing_fits_advice
 from .plan import RunPlan, plan_run
-from .tuner import recipe_global_batch
+from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 
 __all__ = ['EstimatedPlan', 'EstimatedRun', 'parse_budgets', 'plan_from_estimate', 'estimate_report',
            'plan_with_estimate']
 
 TABLE_SIZES = 5  # rows of the per-batch table, up to the first budget's micro-batch
+EVAL_TRACE_BATCHES = (32, 64, 128)  # a forward holds a few activations a sample: wider sizes, the same fit
 
 
 @dataclass(frozen=True)
@@ -32,73 +36,103 @@ class EstimatedPlan:
 
     Attributes:
         budget_text: The budget as given.
-        budget: Its bytes (the card's memory on CUDA).
+        budget: Its bytes (on CUDA a card's memory as CUDA reports it).
+        usable: What the allocator may use of it (the CUDA context outside it taken off a card's memory).
         micro_batch: The largest micro-batch predicted within the headroom, on the grid (0: nothing fits).
         plan: The accumulation and LR plan (None when nothing fits).
+        eval_batch: train.py's eval batch (`validation_batch_size`); None: train.py's default, the micro-batch.
     """
     budget_text: str
     budget: int
+    usable: int
     micro_batch: int
     plan: Optional[RunPlan]
+    eval_batch: Optional[int] = None
 
 
-def parse_budgets(text: str, device_type: str) -> List[Tuple[str, int]]:
-    """The comma-separated budgets of --mem-budget in bytes; a fraction needs the device to be here.
+def parse_budgets(text: str) -> List[Tuple[str, MemoryBudget]]:
+    """The comma-separated budgets of --mem-budget, each with its text.
 
     Raises:
-        BudgetError: A budget is not a size, or a fraction of a device that is not here.
+        BudgetError: A budget is not a size or a fraction.
     """
-    budgets = []
-    for part in [p.strip() for p in text.split(',') if p.strip()]:
-        budget: MemoryBudget = parse_budget(part)
-        if budget.fraction is not None and device_type == 'cuda' and not torch.cuda.is_available():
-            raise BudgetError(f"--mem-budget {part}: a fraction of a GPU needs the GPU; give the card's memory as a "
-                              f"size, e.g. '80GiB'")
-        # a size is the planned machine's, not this one's: only a fraction is taken of the device here
-        budgets.append((part, budget.num_bytes or budget.resolve(torch.device(device_type))))
-    return budgets
+    return [(part, parse_budget(part)) for part in (p.strip() for p in text.split(',')) if part]
 
 
 def plan_from_estimate(args: argparse.Namespace, device_type: str, estimate: MemoryEstimate,
-                       budgets: List[Tuple[str, int]], world_size: int, recipe_global: int) -> List[EstimatedPlan]:
-    """Each budget's largest micro-batch under the headroom and its plan (see the module doc)."""
+                       budgets: List[Tuple[str, MemoryBudget]], world_size: int, recipe_global: int,
+                       eval_estimate: Optional[MemoryEstimate] = None) -> List[EstimatedPlan]:
+    """Each budget's largest micro-batch under the headroom, its plan and eval batch (see the module doc)."""
     grid = default_grid(device_type, args.batch_multiple)
+    target = args.target_global_batch if args.select == 'max' else recipe_global
     plans = []
-    for text, num_bytes in budgets:
-        limit = estimate.device.usable(num_bytes) * (1 - args.mem_headroom)
-        largest = estimate.largest_batch(limit)
-        if args.max_batch:
-            largest = min(largest, args.max_batch)
-        micro = grid.snap(largest) if largest >= 1 else 0
-        if micro < 1 or micro > largest:
-            plans.append(EstimatedPlan(text, num_bytes, 0, None))
+    for text, budget in budgets:
+        num_bytes, usable = estimate.device.plan_in(budget, text)
+        limit = usable * (1 - args.mem_headroom)
+        micro = _micro_batch(args, grid, estimate.largest_batch(limit))
+        plan = plan_run(args, micro, world_size, target) if micro else None
+        if plan is not None and plan.accum_steps > 1:  # a window's later micro-batches start with the gradients
+            micro = _micro_batch(args, grid, estimate.largest_batch(limit, accumulating=True))
+            plan = plan_run(args, micro, world_size, target) if micro else None
+        if plan is None:
+            plans.append(EstimatedPlan(text, num_bytes, usable, 0, None))
             continue
-        target = args.target_global_batch if args.select == 'max' else recipe_global
-        plans.append(EstimatedPlan(text, num_bytes, micro, plan_run(args, micro, world_size, target)))
+        eval_batch = None
+        if eval_estimate is not None:
+            largest = min(eval_estimate.largest_batch(limit), EVAL_MAX_FACTOR * plan.micro_batch)
+            eval_batch = grid.snap(largest) if grid.snap(largest) > plan.micro_batch else None
+        plans.append(EstimatedPlan(text, num_bytes, usable, micro, plan, eval_batch))
     return plans
 
 
+def _micro_batch(args: argparse.Namespace, grid, largest: int) -> int:
+    """The largest predicted micro-batch on the grid, within --max-batch (0: not even the grid's smallest fits)."""
+    if args.max_batch:
+        largest = min(largest, args.max_batch)
+    micro = grid.snap(largest) if largest >= 1 else 0
+    return micro if 1 <= micro <= largest else 0
+
+
 def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headroom: float,
-                    nodes: int, nproc: int) -> List[str]:
-    """The estimate's header, the per-batch table of the first budget, and the 'what fits where' table."""
+                    nodes: int, nproc: int, eval_estimate: Optional[MemoryEstimate] = None) -> List[str]:
+    """The estimate's header, how each budget is read, the per-batch table of the first budget, and the 'what fits
+    where' table."""
     first = plans[0]
     top = max(first.micro_batch, 8)
     sizes = sorted({max(1, round(top * k / TABLE_SIZES)) for k in range(1, TABLE_SIZES + 1)})
     ranks = f'{nodes} node(s) x {nproc} process(es)' if nodes > 1 else f'{nproc} process(es)'
     lines = [f'Estimate (no real trial ran): {estimate.describe}, traced on fake tensors in {estimate.seconds:.1f} s; '
              f'for {estimate.device.name}, {ranks}, headroom {headroom:.0%}.',
-             f'Assumed: {estimate.device.assumptions}.', '', 'Predicted peak per micro-batch:',
-             *estimate.table(sizes, estimate.device.usable(first.budget)), '', 'What fits where:',
+             f'Assumed: {estimate.device.assumptions}.', *_budget_lines(estimate, plans), '', 'Predicted peak per micro-batch:',
+             *estimate.table(sizes, first.usable), '', 'What fits where:',
              f'{"budget":>10s} {"fits up to":>11s} {"micro-batch":>12s} {"accum":>6s} {"global":>7s} {"LR":>9s} '
-             f'{"predicted peak":>15s}']
+             f'{"predicted peak":>15s} {"eval batch":>11s}']
     for p in plans:
         if p.plan is None:
             lines.append(f'{p.budget_text:>10s}   nothing fits (not even batch 1 within the headroom)')
             continue
-        peak = format_bytes(estimate.peak(p.plan.micro_batch))
+        peak = format_bytes(estimate.peak(p.plan.micro_batch, accumulating=p.plan.accum_steps > 1))
         lines.append(f'{p.budget_text:>10s} {p.micro_batch:>11d} {p.plan.micro_batch:>12d} {p.plan.accum_steps:>6d} '
-                     f'{p.plan.global_batch:>7d} {p.plan.lr:>9.4g} {peak:>15s}')
+                     f'{p.plan.global_batch:>7d} {p.plan.lr:>9.4g} {peak:>15s} {p.eval_batch or "-":>11}')
+    if eval_estimate is None:
+        lines.append('Eval batch: not estimated (the evaluation forward could not be traced); train.py evaluates at '
+                     'the micro-batch.')
+    elif first.plan is not None:
+        eval_batch = first.eval_batch or first.plan.micro_batch
+        lines.append(f'Eval batch {eval_batch}: train.py\'s evaluation (forward only, optimizer state resident) '
+                     f'predicted at {format_bytes(eval_estimate.peak(eval_batch))}, at most {EVAL_MAX_FACTOR} '
+                     f'micro-batches; ' + ('validation_batch_size in the YAML.' if first.eval_batch else
+                                          'nothing larger than the micro-batch fits, so the YAML leaves it.'))
     return lines
+
+
+def _budget_lines(estimate: MemoryEstimate, plans: List[EstimatedPlan]) -> List[str]:
+    """How each budget is read: a card's nominal size as the memory CUDA reports for it, less the context."""
+    if not estimate.device.context_bytes:
+        return []
+    return [f'Budget {p.budget_text}: {format_bytes(p.budget)} as CUDA reports it, '
+            + (f'less {format_bytes(p.budget - p.usable)} of context outside the allocator: ' if p.budget > p.usable
+               else 'the context already out of it: ') + f'{format_bytes(p.usable)} to plan in.' for p in plans]
 
 
 @dataclass(frozen=True)
@@ -107,6 +141,11 @@ class EstimatedRun:
     estimate: MemoryEstimate
     plans: List[EstimatedPlan]
     lines: List[str]
+
+    @property
+    def eval_batch(self) -> Optional[int]:
+        """The first budget's `validation_batch_size` (None: train.py's default)."""
+        return self.plans[0].eval_batch
 
 
 def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRun:
@@ -119,16 +158,22 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     """
     device_type = args.device.split(':', 1)[0]
     world_size = args.nproc * args.nnodes
-    budgets = parse_budgets(args.mem_budget or '1.0', device_type)
+    budgets = parse_budgets(args.mem_budget or '1.0')
+    for text, budget in budgets:  # one that cannot be read here fails before the trace
+        device_model(device_type).plan_in(budget, text)
     if args.mem_headroom is None:
         args.mem_headroom = default_headroom(torch.device(device_type))
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
     onednn = onednn_runs(device_type)
     estimate = estimate_memory(run_args, device_type, onednn)
+    try:
+        eval_estimate = estimate_memory(run_args, device_type, onednn, EVAL_TRACE_BATCHES, step_kind='eval')
+    except EstimateError:  # the plan stands without it: train.py then evaluates at the micro-batch
+        eval_estimate = None
     recipe_global, _ = recipe_global_batch(args, given, world_size)
-    plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global)
-    lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc)
+    plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global, eval_estimate)
+    lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc, eval_estimate)
     chosen = plans[0].plan
     if chosen is None:
         print('\n'.join(lines))
