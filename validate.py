@@ -10,12 +10,16 @@ field while the others go on; results files are written atomically.
 """
 import json
 import logging
+import shlex
 import sys
 
 from timm.utils import setup_default_logging
 
 from timm_ext.cuda_backends import configure_cuda_backends
+from timm_ext.errors import TimmExtError
 from timm_ext.memory import free_memory
+from timm_ext.probe.search import default_grid
+from timm_ext.validate.batch_estimate import estimate_eval_batch
 from timm_ext.validate.results import write_results
 from timm_ext.validate.args import parse_validate_args
 from timm_ext.validate.jobs import JobsError, resolve_jobs
@@ -56,9 +60,33 @@ def run_bulk(args, jobs, device):
     return sorted(done, key=lambda r: r['top1'], reverse=True) + failed, bool(done) or not failed
 
 
+def plan_from_estimate(args, argv) -> int:
+    """--estimate: the largest batch predicted within --mem-budget, and the command that validates at it."""
+    device_type = args.device.split(':', 1)[0]
+    try:
+        planned = estimate_eval_batch(args, args.model, device_type, args.mem_budget)
+    except TimmExtError as e:
+        return fail(str(e), getattr(e, 'exit_status', 1))
+    print('\n'.join(planned.lines(args.mem_budget or f'the {device_type} device')))
+    if planned.batch_size < 1:
+        return fail(f'{args.model} is predicted not to fit {args.mem_budget} even at batch size 1')
+    batch = default_grid(device_type, None).snap(planned.batch_size)  # a multiple of 8 on CUDA, for tensor cores
+    kept, skip = [], False
+    for token in sys.argv[1:] if argv is None else argv:  # the same command, less the planning flags, at the batch
+        if skip or token in ('--estimate', '--mem-budget', '-b', '--batch-size') or token.startswith(
+                ('--mem-budget=', '--batch-size=')):
+            skip = token in ('--mem-budget', '-b', '--batch-size')
+            continue
+        kept.append(token)
+    print(f'Validate command: {shlex.join([sys.executable, sys.argv[0] or "validate.py", *kept, "--batch-size", str(batch), "--retry"])}')
+    return 0
+
+
 def main(argv=None) -> int:
     setup_default_logging()
     args = parse_validate_args(argv)
+    if args.estimate:
+        return plan_from_estimate(args, argv)
     try:
         plan = resolve_jobs(args.model, args.checkpoint)
         device = resolve_device(args.device)

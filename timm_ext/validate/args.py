@@ -16,6 +16,8 @@ from ..arg_checks import (
     COMMON_DOMAINS, NON_NEGATIVE_INT, POSITIVE_INT, Domain, Names, check_values, flag_names, split_problem,
     writable_file_problem,
 )
+from ..memory import BudgetError, parse_budget
+from ..train.args import EXTENSIONS_GROUP
 from .results import RESULT_FORMATS
 
 __all__ = [
@@ -46,7 +48,8 @@ def build_validate_parser(prog: Optional[str] = None) -> OneLineArgumentParser:
     """Build the validate.py parser with every stock flag, in stock's order."""
     p = OneLineArgumentParser(prog=prog, description='Validate timm image classification models on a dataset, '
                                                      'with a probe-first batch-size retry on out-of-memory.')
-    for add_group in (_add_dataset_args, _add_model_args, _add_run_args, _add_results_args, _add_naflex_args):
+    for add_group in (_add_dataset_args, _add_model_args, _add_run_args, _add_results_args, _add_naflex_args,
+                      _add_extension_args):
         add_group(p)
     return p
 
@@ -160,6 +163,17 @@ def _add_naflex_args(p: argparse.ArgumentParser) -> None:
     p.add_argument('--naflex-max-seq-len', type=int, default=576, help='NaFlex loader sequence length')
 
 
+def _add_extension_args(p: argparse.ArgumentParser) -> None:
+    """Beyond stock: the batch from the memory estimate."""
+    group = p.add_argument_group(EXTENSIONS_GROUP, 'Flags stock validate.py does not have.')
+    group.add_argument('--mem-budget', default=None, metavar='SIZE',
+                       help="memory the forward may use, for the estimate: a size ('24GiB'; a card's nominal size "
+                            "is read as that card) or a fraction of the device (default: the device's memory)")
+    group.add_argument('--estimate', action='store_true', default=False,
+                       help='plan only: print the largest batch the memory estimate predicts within --mem-budget '
+                            'and the command to run; needs no data, weights or device (--device cuda on any machine)')
+
+
 def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Return a one-line complaint about argument values stock validate.py would only trip over later, or None.
 
@@ -182,6 +196,13 @@ def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, s
             return problem
     if args.checkpoint and not os.path.exists(args.checkpoint):
         return f'argument --checkpoint: not found: {args.checkpoint}'
+    if args.mem_budget:
+        try:
+            parse_budget(args.mem_budget)
+        except BudgetError as e:
+            return str(e)
+    if args.estimate:  # a plan for another machine: its data need not be here
+        return None
     root = args.data or args.data_dir
     if not args.dataset:  # folder or tar datasets need a root on disk; hub/torch datasets manage their own
         if not root:

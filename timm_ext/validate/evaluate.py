@@ -25,6 +25,7 @@ from ..batch_decay import decay_batch_step
 from ..cuda_backends import CUDA_GRAPH_MODES
 from ..distributed import DeviceError, check_cuda_index
 from ..errors import TimmExtError
+from .batch_estimate import estimate_eval_batch, start_batch
 from .hub import is_download_error, pretrained_unavailable
 from ..memory import free_memory
 from .metrics import precision_recall_f1
@@ -370,6 +371,18 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
             batch_size = smaller
 
 
+def _predicted_batch(args, model_name: str, device: torch.device) -> Optional[int]:
+    """The largest batch the memory estimate predicts for this forward: on CUDA, or within an asked --mem-budget
+    (None where nothing could OOM or the forward cannot be traced; the pass then starts at the asked size)."""
+    if device.type != 'cuda' and not args.mem_budget:
+        return None
+    try:
+        return estimate_eval_batch(args, model_name, device.type, args.mem_budget).batch_size
+    except TimmExtError as e:
+        _logger.info(f'No memory estimate for {model_name} ({e}); the pass starts at the asked batch size.')
+        return None
+
+
 def _results_row(em: EvalModel, totals: EvalTotals, real_labels, metrics_avg: Optional[str]) -> 'OrderedDict':
     """The stock results row (precision/recall/F1 between top5_err and param_count when asked)."""
     avg = totals.averages()
@@ -409,6 +422,8 @@ def validate_model(args, model_name: str, checkpoint: Optional[str], device: tor
         set_jit_fuser(args.fuser)
     if args.fast_norm:
         set_fast_norm()
+    # before the model is built: the trace runs in a forked child
+    predicted = _predicted_batch(args, model_name, device) if probe_first and not args.naflex_loader else None
     em = build_eval_model(args, model_name, checkpoint, device)
     dataset = build_eval_dataset(args, em)
     num_samples = _num_samples(dataset)
@@ -427,6 +442,10 @@ def validate_model(args, model_name: str, checkpoint: Optional[str], device: tor
         batch_size = asked  # NaFlex batches are token budgets, not image tensors; the pass steps down the same way
     elif probe_first:
         batch_size = largest  # the pass is the probe: its first batches find the size, and they count
+        if predicted is not None and start_batch(largest, predicted) < largest:
+            batch_size = start_batch(largest, predicted)
+            _logger.info(f'Batch size {largest} is predicted not to fit (the memory estimate: {predicted}); the pass '
+                         f'starts at {batch_size}.')
     else:
         batch_size = asked
         try:  # stock warm-up: one forward at the largest batch the pass will see
