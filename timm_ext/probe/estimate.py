@@ -30,6 +30,7 @@ from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from .cuda_autocast import CudaAutocastCasts
 from .device_memory import DeviceModel, device_model
+from .kernel_limits import KernelSizes, launch_limit
 from .memory_trace import CATEGORIES, LiveBytes
 from .search import call_forked
 from .trial import _eval_forward, probe_input_size, trial_loop, trial_train_step
@@ -60,6 +61,8 @@ class MemoryEstimate:
         seconds: Wall time the estimate took (build and trace).
         grad_bytes: The gradients' bytes on the device: resident through every micro-batch but the first of an
             accumulation window (`accumulating`).
+        kernel_sizes: CUDA: per sample, the sizes that bound the batch whatever the memory
+            (`timm_ext.probe.kernel_limits`).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -67,6 +70,7 @@ class MemoryEstimate:
     describe: str
     seconds: float
     grad_bytes: int = 0
+    kernel_sizes: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -93,11 +97,18 @@ class MemoryEstimate:
         return at_zero, at_one - at_zero
 
     def largest_batch(self, limit: float, accumulating: bool = False) -> int:
-        """The largest batch predicted at or under `limit` bytes (0 when not even 1 is)."""
+        """The largest batch predicted at or under `limit` bytes (0 when not even 1 is) that the device's kernels
+        can launch (`launch_limit`)."""
         at_zero, per_sample = self.line(accumulating)
         if per_sample <= 0:
             raise EstimateError('the traced peak does not grow with the batch size; the estimate cannot aim')
-        return max(0, int((limit - at_zero) // per_sample))
+        by_memory = max(0, int((limit - at_zero) // per_sample))
+        return min(by_memory, self.launch_limit[0] or by_memory)
+
+    @property
+    def launch_limit(self) -> Tuple[Optional[int], str]:
+        """The largest batch the device's kernels can launch whatever the memory, and why (None: no limit)."""
+        return launch_limit(self.kernel_sizes)
 
     def table(self, batch_sizes: Sequence[int], budget: Optional[int] = None) -> List[str]:
         """The per-batch table: predicted peak by category, the total, and its share of `budget`."""
@@ -138,6 +149,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # CUDA autocast's float32 ops replayed under CPU autocast (they only act while autocast is on)
     casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
+    kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
     try:
         with mode:
@@ -150,7 +162,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
             tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)
             try:
-                with tracker, casts:
+                with kernels or contextlib.nullcontext(), tracker, casts:
                     if step_kind != 'validate':  # the optimizer state exists when train.py trains or evaluates
                         train_step(WARMUP_BATCH)
                     for batch_size in batches:
@@ -168,7 +180,8 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                 f'{stack.amp.dtype or stack.model_dtype or torch.float32}'.replace('torch.', '')
                 + (f', optimizer {args.opt}' if step_kind == 'train' else ', forward only'))
     grad_bytes = sum(device.allocated(None, (), p.numel() * p.element_size()) for p in params)
-    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes)
+    kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
+    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes)
 
 
 def in_child(fn: Callable[[], dict]) -> Optional[dict]:
@@ -204,7 +217,8 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
             e = _trace(args, device, batches, step_kind)
         except EstimateError as error:
             return dict(error=str(error))
-        return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes)
+        return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
+                    kernel_sizes=e.kernel_sizes)
 
     reply = in_child(trace)
     if reply is None:
@@ -213,4 +227,5 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         raise EstimateError(reply['error'])
     traced = {int(b): split for b, split in reply['traced'].items()}
     lines = {name: tuple(line) for name, line in reply['lines'].items()}
-    return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'], reply['grad_bytes'])
+    return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'], reply['grad_bytes'],
+                          reply['kernel_sizes'])

@@ -1,0 +1,251 @@
+"""The CUDA memory estimate against timm's published GPU tables: does the predicted largest batch land in its rung?
+
+    python bench/bench_gpu_tables.py                  # every row of bench/gpu_tables.csv (traces cached)
+    python bench/bench_gpu_tables.py --table train    # one table
+    python bench/bench_gpu_tables.py --select-rows /path/to/pytorch-image-models   # rewrite the data file
+
+timm's `benchmark.py` starts each model at one batch (512 for training, 1024 or 2048 for inference) and after an
+out-of-memory steps down `timm.utils.decay_batch_step` (512, 384, 256, 192, ...). A row recorded below the start
+says: this rung fits the card and the next rung up did not. The estimate hits when its largest batch on that card
+lies in [rung, next rung). A row at the start is a lower bound only (reported apart: the estimate should reach it).
+
+Each table's software is modelled as timm ran it:
+* train, RTX 3090 (torch 1.12, CUDA 11.3): AMP float16, SGD (momentum 0.9, nesterov), CrossEntropyLoss;
+  `zero_grad()` kept the gradients allocated (torch 1.12's default), so every update runs with them resident; timm's
+  ViTs had no fused attention then; CUDA 11.3 loads every kernel module at start (no lazy loading), so the context
+  outside the allocator is larger (`EAGER_CONTEXT_BYTES`).
+* infer, RTX 5090 and RTX Pro 6000 Max-Q (torch 2.9.1, CUDA 13.0): AMP float16, `inference_mode`, a forward with the
+  weights alone resident (validate.py's estimate), fused attention, the context of today's lazy loading.
+
+The cards' memory is what CUDA reports for them (public specifications and deviceQuery listings): RTX 3090 23.70
+GiB, RTX 5090 31.36 GiB, RTX Pro 6000 Max-Q 95.0 GiB (96 GB GDDR7; assumed at the share the other two show).
+Traces are cached in bench/results/ by model, size and step; `--fresh` traces again, `--shard 0/2` and `--shard 1/2`
+in two processes trace half each. Nothing is fitted here: the report says how each constant of the CUDA model was
+set.
+"""
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DATA = os.path.join(ROOT, 'bench', 'gpu_tables.csv')
+CACHE_DIR = os.path.join(ROOT, 'bench', 'results')
+CACHE_NAME = 'gpu_tables_traces'  # one JSON file a shard: <name>.<i>of<n>.json
+GiB = 1 << 30
+MiB = 1 << 20
+TABLES = {  # source file -> (kind, start batch, card, the memory CUDA reports for it)
+    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': ('train', 512, 'RTX 3090 24 GB', int(23.70 * GiB)),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': ('infer', 1024, 'RTX 5090 32 GB', int(31.36 * GiB)),
+    'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': ('infer', 2048, 'RTX Pro 6000 Max-Q 96 GB',
+                                                             int(95.0 * GiB)),
+}
+EAGER_CONTEXT_BYTES = 1024 * MiB  # CUDA 11.3 without lazy loading: every kernel module of torch loaded at start
+TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
+INFER_FLAGS = ('--amp', '--no-prefetcher')
+ROWS_PER_FAMILY = 2
+LOWER_BOUND_ROWS = 12  # rows at the start value kept per table (lower bounds)
+MAX_PARAMS_M = 400  # larger models take minutes to build for real before the trace
+
+
+def family(model: str) -> str:
+    """A model's family: its name's leading letters, weight-source prefixes dropped (tf_efficientnet -> efficientnet)."""
+    name = re.sub(r'^(tf_|tv_|gluon_|legacy_|ig_|ssl_|swsl_|timm_)', '', model)
+    return re.match(r'[a-z]+', name).group(0)
+
+
+def select_rows(repo: str) -> List[dict]:
+    """Pick the data file's rows from a timm checkout: per table and family, the smallest and the median model the
+    decay reached (`ROWS_PER_FAMILY`), and a few rows at the start value."""
+    import subprocess
+    import timm
+    from timm.utils import decay_batch_step
+    known = set(timm.list_models())
+    chosen = []
+    for source, (kind, start, _, _) in TABLES.items():
+        text = subprocess.run(['git', '-C', repo, 'show', f'HEAD:results/{source}'], capture_output=True, text=True,
+                              check=True).stdout
+        decayed, bounds = defaultdict(list), []
+        for r in csv.DictReader(text.splitlines()):
+            if r['model'] not in known or float(r['param_count']) > MAX_PARAMS_M:
+                continue
+            batch = int(r[f'{kind}_batch_size'])
+            row = dict(source=source, model=r['model'], img_size=int(r[f'{kind}_img_size']), batch=batch,
+                       params_m=float(r['param_count']))
+            if batch >= start:
+                bounds.append(dict(row, next_rung=''))
+                continue
+            upper = start
+            while decay_batch_step(upper) > batch:
+                upper = decay_batch_step(upper)
+            decayed[family(r['model'])].append(dict(row, next_rung=upper))
+        for rows in decayed.values():
+            rows.sort(key=lambda r: r['params_m'])
+            picks = {0, len(rows) // 2} if ROWS_PER_FAMILY > 1 else {0}
+            chosen += [rows[i] for i in sorted(picks)]
+        seen = set()
+        for r in sorted(bounds, key=lambda r: r['params_m'], reverse=True):  # the largest come nearest the bound
+            if family(r['model']) not in seen and len(seen) < LOWER_BOUND_ROWS:
+                seen.add(family(r['model']))
+                chosen.append(r)
+    return chosen
+
+
+def write_rows(rows: List[dict]) -> None:
+    with open(DATA, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=['source', 'model', 'img_size', 'batch', 'next_rung', 'params_m'])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_rows() -> List[dict]:
+    with open(DATA) as f:
+        return [dict(r, img_size=int(r['img_size']), batch=int(r['batch']),
+                     next_rung=int(r['next_rung']) if r['next_rung'] else None) for r in csv.DictReader(f)]
+
+
+def read_cache() -> Dict[str, dict]:
+    """Every shard's traces, those of an older trace format left out (no kernel sizes recorded)."""
+    cache = {}
+    for name in sorted(os.listdir(CACHE_DIR)) if os.path.isdir(CACHE_DIR) else ():
+        if name.startswith(CACHE_NAME) and name.endswith('.json'):
+            with open(os.path.join(CACHE_DIR, name)) as f:
+                cache.update({k: v for k, v in json.load(f).items() if 'error' in v or 'kernel_sizes' in v})
+    return cache
+
+
+def trace_key(kind: str, model: str, img_size: int) -> str:
+    return f'{kind}:{model}:{img_size}'
+
+
+def trace(kind: str, model: str, img_size: int) -> dict:
+    """One estimate as the table's software ran it (see the module doc); a dict for the cache."""
+    import timm.layers
+    from timm_ext.probe.estimate import EstimateError, estimate_memory
+    from timm_ext.train.args import parse_args
+    flags = TRAIN_FLAGS if kind == 'train' else INFER_FLAGS
+    args, _ = parse_args(['--model', model, '--img-size', str(img_size), '--device', 'cuda', '--num-classes', '1000',
+                          *flags])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    timm.layers.set_fused_attn(kind != 'train')  # the traced child builds the model with this setting
+    try:
+        e = estimate_memory(args, 'cuda', step_kind='train' if kind == 'train' else 'validate')
+    except EstimateError as error:
+        return dict(error=str(error))
+    return dict(lines=e.lines, traced={str(b): v for b, v in e.traced.items()}, describe=e.describe,
+                seconds=e.seconds, grad_bytes=e.grad_bytes, kernel_sizes=e.kernel_sizes)
+
+
+def to_estimate(entry: dict, kind: str):
+    from timm_ext.probe.device_memory import device_model
+    from timm_ext.probe.estimate import MemoryEstimate
+    device = device_model('cuda')
+    if kind == 'train':
+        device = dataclasses.replace(device, context_bytes=EAGER_CONTEXT_BYTES)
+    return MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()},
+                          {int(b): v for b, v in entry['traced'].items()}, device, entry['describe'],
+                          entry['seconds'], entry['grad_bytes'], entry.get('kernel_sizes', {}))
+
+
+def predicted(entry: dict, kind: str, card_bytes: int) -> int:
+    estimate = to_estimate(entry, kind)
+    # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
+    return estimate.largest_batch(estimate.device.usable(card_bytes), accumulating=kind == 'train')
+
+
+def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
+    lines = []
+    for source, (kind, start, card, card_bytes) in TABLES.items():
+        mine = [r for r in rows if r['source'] == source]
+        if not mine:
+            continue
+        decayed = [r for r in mine if r['next_rung']]
+        bounds = [r for r in mine if not r['next_rung']]
+        hits, misses, failed = 0, defaultdict(list), []
+        for r in decayed:
+            entry = cache.get(trace_key(kind, r['model'], r['img_size']))
+            if entry is None or 'error' in entry:
+                failed.append(r['model'])
+                continue
+            b = predicted(entry, kind, card_bytes)
+            if r['batch'] <= b < r['next_rung']:
+                hits += 1
+            else:
+                size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
+                misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
+                                                  f"rung {r['batch']}-{r['next_rung'] - 1})")
+        judged = len(decayed) - len(failed)
+        families = len({family(r['model']) for r in decayed})
+        lines += [f'## {card}: {source}', '',
+                  f'Decayed rows: {len(decayed)} across {families} families; estimated {judged}; within the rung '
+                  f'{hits} of {judged} ({hits / max(1, judged):.0%}).', '']
+        if misses:
+            lines += ['| family | misses: model@size, predicted (how far outside the rung; the rung) |', '|---|---|']
+            lines += [f'| {fam} | {"; ".join(items)} |' for fam, items in sorted(misses.items())]
+            lines.append('')
+        if failed:
+            lines += [f'Not traced ({len(failed)}): {", ".join(failed)}.', '']
+        low = []
+        for r in bounds:
+            entry = cache.get(trace_key(kind, r['model'], r['img_size']))
+            if entry and 'error' not in entry:
+                low.append((r, predicted(entry, kind, card_bytes)))
+        reached = sum(b >= r['batch'] for r, b in low)
+        lines += [f'Lower bounds (rows at the start value {start}): the estimate reaches {reached} of {len(low)}'
+                  + (': below it ' + ', '.join(f"{r['model']}@{r['img_size']} {b}" for r, b in low
+                                               if b < r['batch']) if reached < len(low) else '') + '.', '']
+    traced = [e['seconds'] for e in cache.values() if 'seconds' in e]
+    lines.append(f'Traces: {len(traced)}, {sum(traced):.0f} s of tracing in all (median {sorted(traced)[len(traced) // 2]:.1f} s); '
+                 f'this run {seconds:.0f} s.' if traced else f'This run {seconds:.0f} s.')
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--table', choices=('train', 'infer'), default=None, help='only this kind of table')
+    parser.add_argument('--fresh', action='store_true', help='trace again even where a cached trace exists')
+    parser.add_argument('--select-rows', metavar='TIMM_REPO', default=None,
+                        help='rewrite bench/gpu_tables.csv from a timm checkout, then stop')
+    parser.add_argument('--shard', default='0/1', metavar='I/N', help='trace only every N-th trace from the I-th')
+    parser.add_argument('--output', default=os.path.join(ROOT, 'bench', 'results', 'gpu_tables.md'))
+    args = parser.parse_args(argv)
+    if args.select_rows:
+        rows = select_rows(args.select_rows)
+        write_rows(rows)
+        print(f'{len(rows)} rows written to {DATA}')
+        return 0
+    started = time.perf_counter()
+    rows = [r for r in read_rows() if args.table in (None, TABLES[r['source']][0])]
+    shard, shards = map(int, args.shard.split('/'))
+    own = os.path.join(CACHE_DIR, f'{CACHE_NAME}.{shard}of{shards}.json')
+    cache = {} if args.fresh else read_cache()
+    keys = sorted({trace_key(TABLES[r['source']][0], r['model'], r['img_size']) for r in rows})
+    todo = [k for i, k in enumerate(keys) if i % shards == shard and k not in cache]
+    mine = {} if args.fresh or not os.path.exists(own) else json.load(open(own))
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    for i, key in enumerate(todo, 1):
+        kind, model, img = key.split(':')
+        mine[key] = trace(kind, model, int(img))
+        status = mine[key].get('error') or f"{mine[key]['seconds']:.1f} s"
+        print(f'[{i}/{len(todo)}] {key}: {status}', flush=True)
+        with open(own + '.tmp', 'w') as f:
+            json.dump(mine, f)
+        os.replace(own + '.tmp', own)
+    cache = read_cache()
+    lines = report(rows, cache, time.perf_counter() - started)
+    with open(args.output, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
