@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 DATA = os.path.join(ROOT, 'bench', 'gpu_tables.csv')
 CACHE_DIR = os.path.join(ROOT, 'bench', 'results')
@@ -64,10 +65,12 @@ def family(model: str) -> str:
 
 def select_rows(repo: str) -> List[dict]:
     """Pick the data file's rows from a timm checkout: per table and family, the smallest and the median model the
-    decay reached (`ROWS_PER_FAMILY`), and a few rows at the start value."""
+    decay reached (`ROWS_PER_FAMILY`), every decayed row of the atlas's models (`bench_atlas.MODELS`), and a few rows
+    at the start value."""
     import subprocess
     import timm
     from timm.utils import decay_batch_step
+    from bench_atlas import MODELS as ATLAS_MODELS
     known = set(timm.list_models())
     chosen = []
     for source, (kind, start, _, _) in TABLES.items():
@@ -90,6 +93,7 @@ def select_rows(repo: str) -> List[dict]:
         for rows in decayed.values():
             rows.sort(key=lambda r: r['params_m'])
             picks = {0, len(rows) // 2} if ROWS_PER_FAMILY > 1 else {0}
+            picks |= {i for i, r in enumerate(rows) if r['model'] in ATLAS_MODELS}
             chosen += [rows[i] for i in sorted(picks)]
         seen = set()
         for r in sorted(bounds, key=lambda r: r['params_m'], reverse=True):  # the largest come nearest the bound

@@ -12,6 +12,7 @@ from timm_ext.memory import parse_budget
 from timm_ext.probe.cuda_autocast import CudaAutocastCasts
 from timm_ext.probe.device_memory import CARD_REPORTED_SHARE, CUDA_CONTEXT_BYTES, card_memory, device_model
 from timm_ext.probe.estimate import MemoryEstimate, estimate_memory
+from timm_ext.probe.kernel_limits import KernelSizes, launch_limit, native_depthwise
 from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
 from timm_ext.tune.estimate_plan import plan_from_estimate
 from timm_ext.train.args import parse_args
@@ -114,3 +115,38 @@ def test_the_forward_only_estimates_hold_far_less_than_an_update():
     # train.py's evaluation holds the optimizer state, validate.py's forward the weights alone
     assert evaluate.categories(64)['optimizer'] > 0 == validate.categories(64)['optimizer']
     assert validate.largest_batch(1 * GiB) > 2 * train.largest_batch(1 * GiB)
+
+
+@pytest.mark.parametrize('dtype,filter,stride,channels,native', [
+    (torch.float16, 3, 1, 64, False),  # cuDNN takes it
+    (torch.bfloat16, 3, 1, 64, True),  # cuDNN's depthwise path is float16 only
+    (torch.float16, 7, 1, 64, True),  # ConvNeXt's 7x7
+    (torch.float16, 3, 2, 64, True),  # a blur pool's stride 2 on few channels
+    (torch.float16, 3, 2, 512, False),
+    (torch.float16, 3, 1, 16, True),  # under 32 channels
+])
+def test_which_depthwise_convolutions_run_on_pytorchs_32_bit_kernel(dtype, filter, stride, channels, native):
+    with FakeTensorMode():
+        input, weight = torch.empty(8, channels, 56, 56, dtype=dtype), torch.empty(channels, 1, filter, filter)
+    assert native_depthwise(input, weight, [stride, stride]) is native
+
+
+def test_a_native_depthwise_convolution_limits_the_batch_below_2_31_elements():
+    with FakeTensorMode():
+        sizes = KernelSizes()
+        with sizes, torch.autocast('cpu', dtype=torch.float16):
+            x, w = torch.randn(4, 64, 96, 96), torch.randn(64, 1, 7, 7)
+            F.conv2d(x, w, padding=3, groups=64)
+    per_sample = {name: size / 4 for name, size in sizes.sizes.items()}
+    assert per_sample['depthwise_elements'] == 64 * 96 * 96
+    batch, why = launch_limit(per_sample)
+    assert batch == (2 ** 31 - 1) // (64 * 96 * 96) and '2**31' in why
+    assert launch_limit({'depthwise_elements': 0, 'attention_rows': 0}) == (None, '')
+
+
+def test_attention_windows_limit_the_batch_to_65535_rows_whatever_the_card():
+    # a windowed attention of 64 windows a sample: batch 1024 would be 65536 rows (timm's tables: davit_tiny, hieradet)
+    estimate = _estimate({'activations': (0.0, 1 * MiB)})
+    estimate = dataclasses.replace(estimate, kernel_sizes={'attention_rows': 64.0})
+    assert estimate.largest_batch(1000 * GiB) == 1023 == estimate.largest_batch(2000 * GiB)
+    assert estimate.largest_batch(100 * MiB) == 100  # where memory binds first, memory decides

@@ -16,7 +16,7 @@ def test_estimate_plans_a_cuda_run_on_32_gpus_without_a_gpu_or_the_data(tmp_path
                       '--target-global-batch', '4096', '--tuned-config', config)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert 'Estimate (no real trial ran)' in out and 'not yet checked on a GPU' in out  # it states its assumptions
+    assert 'Estimate (no real trial ran)' in out and 'not yet measured on a GPU' in out  # it states its assumptions
     rows = re.findall(r'^\s+(1GiB|24GiB|80GiB)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)', out, re.M)
     assert [r[0] for r in rows] == ['1GiB', '24GiB', '80GiB']
     fits = [int(r[1]) for r in rows]
@@ -26,6 +26,7 @@ def test_estimate_plans_a_cuda_run_on_32_gpus_without_a_gpu_or_the_data(tmp_path
     text = config.read_text()
     values = yaml.safe_load(text)
     assert values['batch_size'] * values['grad_accum_steps'] * 32 == 4096  # stock keys
+    assert values['validation_batch_size'] > values['batch_size']  # train.py's eval, forward only, from its estimate
     assert '# Estimate (no real trial ran)' in text
     assert '--nnodes=4' in out and '--nproc-per-node=8' in out
 

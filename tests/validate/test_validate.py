@@ -261,3 +261,35 @@ def test_test_pool_applies_above_the_model_input_size(validate_main, capsys, cap
     assert 'test time pool' in caplog.text.lower()
     status, results, _ = run_main(validate_main, capsys, *common, '--img-size', '32')
     assert status == 0 and results['crop_pct'] != 1.0  # below the model's size the pool is not applied
+
+
+def test_estimate_plans_the_batch_of_a_cuda_card_on_a_machine_without_one(validate_main, capsys):
+    plan = ['--model', 'test_resnet', '--img-size', '32', '--num-classes', '3', '--device', 'cuda', '--amp',
+            '--estimate']  # no data, no weights, no GPU
+    status, _, err = run_main(validate_main, capsys, *plan, '--mem-budget', 'lots')
+    assert status == 2 and '--mem-budget' in err and len(err.strip().splitlines()) == 1
+    assert validate_main(plan + ['--mem-budget', '80GiB']) == 0
+    out = capsys.readouterr().out
+    assert 'Estimate (no real forward ran)' in out and 'Budget 80GiB' in out
+    batch = int(re.search(r'--batch-size (\d+) --retry', out).group(1))
+    assert batch > 1000 and batch % 8 == 0  # a tiny model on an 80 GB card, on the tensor-core grid
+
+
+def test_retry_starts_where_the_estimate_predicts_a_fit(validate_main, capsys, caplog, image_folder, trained_run):
+    from timm_ext.validate.batch_estimate import estimate_eval_batch, start_batch
+    from timm_ext.validate.args import parse_validate_args
+    run, _ = trained_run
+    caplog.set_level(logging.INFO)
+    argv = ['--data-dir', image_folder, '--model', 'test_resnet', '--checkpoint', run / 'model_best.pth.tar', *BASE,
+            '--retry', '-b', '4096']
+    args = parse_validate_args([str(a) for a in argv])
+    # a budget that holds about 12 of the split's 24 images by the estimate
+    budget = f'{estimate_eval_batch(args, "test_resnet", "cpu", "1GiB").estimate.peak(12) / 2 ** 20 / 0.95:.2f}MiB'
+    predicted = estimate_eval_batch(args, 'test_resnet', 'cpu', budget)
+    assert 1 < predicted.batch_size < 24
+    argv += ['--mem-budget', budget]
+    status, results, _ = run_main(validate_main, capsys, *argv)
+    assert status == 0
+    start = start_batch(4096, predicted.batch_size)
+    assert f'predicted not to fit (the memory estimate: {predicted.batch_size}); the pass starts at {start}' in caplog.text
+    assert results['batch_size'] == start  # no cap in force here: the pass ran where it started

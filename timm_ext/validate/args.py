@@ -200,7 +200,7 @@ def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, s
         try:
             parse_budget(args.mem_budget)
         except BudgetError as e:
-            return str(e)
+            return f'argument --mem-budget: {e}'
     if args.estimate:  # a plan for another machine: its data need not be here
         return None
     root = args.data or args.data_dir

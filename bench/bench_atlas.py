@@ -1,0 +1,153 @@
+"""What fits where: the largest training micro-batch and eval batch of timm's most used models on six card sizes.
+
+    python bench/bench_atlas.py               # writes docs/what-fits.md and docs/what-fits.csv (traces cached)
+    python bench/bench_atlas.py --models resnet50,vit_base_patch16_224
+
+Every figure is `tune_batch.py --estimate`'s CUDA estimate for train.py's own step at the model's default resolution:
+AMP (float16 and bfloat16), SGD (momentum 0.9) or AdamW, train.py's defaults otherwise (prefetcher, label smoothing),
+one process, no headroom; the eval batch is validate.py's forward (float16). A card is read by its nominal size as
+tune_batch.py reads it (`timm_ext.probe.device_memory.card_memory`). A row is marked where one of timm's published
+tables confirms the CUDA model for that model (`bench/bench_gpu_tables.py`: the estimate inside the table's rung).
+"""
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+
+CACHE = os.path.join(ROOT, 'bench', 'results', 'atlas_traces.json')
+DOC = os.path.join(ROOT, 'docs', 'what-fits.md')
+TABLE = os.path.join(ROOT, 'docs', 'what-fits.csv')
+CARDS_GB = (16, 24, 40, 48, 80, 141)
+MODELS = (
+    'resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'resnet50d', 'resnet101d', 'resnext50_32x4d',
+    'seresnext50_32x4d', 'wide_resnet50_2', 'efficientnet_b0', 'efficientnet_b3', 'tf_efficientnetv2_s',
+    'tf_efficientnetv2_m', 'convnext_tiny', 'convnext_small', 'convnext_base', 'convnextv2_tiny',
+    'vit_tiny_patch16_224', 'vit_small_patch16_224', 'vit_base_patch16_224', 'vit_large_patch16_224',
+    'deit_small_patch16_224', 'deit_base_patch16_224', 'eva02_small_patch14_224', 'swin_tiny_patch4_window7_224',
+    'swin_base_patch4_window7_224', 'regnety_040', 'regnety_160', 'regnetx_064', 'mobilenetv3_large_100',
+    'mobilenetv4_conv_medium', 'maxvit_tiny_tf_224', 'caformer_s18', 'caformer_b36', 'inception_v3', 'densenet121',
+    'efficientvit_b2', 'levit_256', 'edgenext_small',
+)
+CONFIGS = {  # column -> (step, flags)
+    'fp16 sgd': ('train', ('--amp', '--opt', 'sgd', '--momentum', '0.9')),
+    'fp16 adamw': ('train', ('--amp', '--opt', 'adamw')),
+    'bf16 sgd': ('train', ('--amp', '--amp-dtype', 'bfloat16', '--opt', 'sgd', '--momentum', '0.9')),
+    'bf16 adamw': ('train', ('--amp', '--amp-dtype', 'bfloat16', '--opt', 'adamw')),
+    'eval fp16': ('validate', ('--amp',)),
+}
+GiB = 1 << 30
+
+
+def trace(model: str, config: str) -> dict:
+    from timm_ext.probe.estimate import EstimateError, estimate_memory
+    from timm_ext.train.args import parse_args
+    step, flags = CONFIGS[config]
+    args, _ = parse_args(['--model', model, '--device', 'cuda', '--num-classes', '1000', *flags])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    batches = (16, 32, 64) if step == 'train' else (32, 64, 128)
+    try:
+        e = estimate_memory(args, 'cuda', batches=batches, step_kind=step)
+    except EstimateError as error:
+        return dict(error=str(error))
+    return dict(lines=e.lines, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
+                kernel_sizes=e.kernel_sizes)
+
+
+def largest(entry: dict, card_gb: int) -> Optional[int]:
+    from timm_ext.probe.device_memory import card_memory, device_model
+    from timm_ext.probe.estimate import MemoryEstimate
+    if 'error' in entry:
+        return None
+    e = MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()}, {}, device_model('cuda'), entry['describe'],
+                       entry['seconds'], entry['grad_bytes'], entry['kernel_sizes'])
+    return e.largest_batch(e.device.usable(card_memory(card_gb * GiB)))
+
+
+def confirmations() -> Dict[tuple, str]:
+    """(model, 'train' or 'infer') -> the published tables whose rung the table-software estimate of that model
+    hits."""
+    import bench_gpu_tables as tables
+    cache, found = tables.read_cache(), {}
+    for r in tables.read_rows():
+        kind, _, card, card_bytes = tables.TABLES[r['source']]
+        entry = cache.get(tables.trace_key(kind, r['model'], r['img_size']))
+        if not r['next_rung'] or entry is None or 'error' in entry:
+            continue
+        if r['batch'] <= tables.predicted(entry, kind, card_bytes) < r['next_rung']:
+            found.setdefault((r['model'], kind), []).append(f"RTX {card.split(' ')[1]} {r['img_size']} px")
+    return {key: ', '.join(v) for key, v in found.items()}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--models', default=','.join(MODELS))
+    parser.add_argument('--fresh', action='store_true')
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    models = [m for m in args.models.split(',') if m]
+    cache = {} if args.fresh or not os.path.exists(CACHE) else json.load(open(CACHE))
+    todo = [(m, c) for m in models for c in CONFIGS if f'{m}|{c}' not in cache]
+    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+    for i, (model, config) in enumerate(todo, 1):
+        cache[f'{model}|{config}'] = trace(model, config)
+        entry = cache[f'{model}|{config}']
+        status = entry.get('error') or f"{entry['seconds']:.1f} s"
+        print(f'[{i}/{len(todo)}] {model} {config}: {status}', flush=True)
+        with open(CACHE + '.tmp', 'w') as f:
+            json.dump(cache, f)
+        os.replace(CACHE + '.tmp', CACHE)
+    confirmed = confirmations()
+    rows = []
+    for model in models:
+        entries = {c: cache[f'{model}|{c}'] for c in CONFIGS}
+        size = entries['fp16 sgd'].get('describe', '').split(' at input ')[-1].split(',')[0]
+        for config, entry in entries.items():
+            kind = 'train' if CONFIGS[config][0] == 'train' else 'infer'
+            rows.append(dict(model=model, input=size, config=config,
+                             **{f'{gb}GB': largest(entry, gb) for gb in CARDS_GB},
+                             confirmed_by=confirmed.get((model, kind), '')))
+    with open(TABLE, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    seconds = [e['seconds'] for k, e in cache.items() if 'seconds' in e and k.split('|')[0] in models]
+    with open(DOC, 'w') as f:
+        f.write(markdown(rows, sum(seconds), time.perf_counter() - started))
+    print(f'{DOC} and {TABLE} written ({len(rows)} rows)')
+    return 0
+
+
+def markdown(rows: List[dict], traced_s: float, run_s: float) -> str:
+    head = ['# What fits where', '',
+            'The largest batch of timm\'s most used models on six card sizes, before you rent one: the training '
+            'micro-batch of train.py\'s own step (AMP float16 or bfloat16, SGD with momentum or AdamW, one process, '
+            'train.py\'s defaults, no headroom) and validate.py\'s eval batch (float16), at each model\'s default '
+            'resolution. `-` : not even batch 1 fits. Each figure is the CUDA memory estimate of '
+            '`tune_batch.py --estimate` (no GPU ran it); a card is read by its nominal size, as CUDA reports it, '
+            'less the context. Where the model\'s figure is held by a kernel limit, not memory (a depthwise '
+            'convolution reaching 2**31 elements, attention reaching 65535 windows), bigger cards do not raise it.',
+            '',
+            '**Confirmed**: one of timm\'s published GPU tables holds this model, and the CUDA model, run as that '
+            'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
+            '[docs/gpu.md](gpu.md)). Unmarked rows are predictions only.', '',
+            f'Plan one yourself: `python tune_batch.py --model MODEL --amp --device cuda --mem-budget 24GiB,80GiB '
+            f'--estimate`. Regenerate: `python bench/bench_atlas.py` ({traced_s / 60:.0f} min of tracing on 2 CPU '
+            f'cores; this run {run_s:.0f} s). The same rows as CSV: [what-fits.csv](what-fits.csv).', '',
+            '| model | input | step | ' + ' | '.join(f'{gb} GB' for gb in CARDS_GB) + ' | confirmed by |',
+            '|---|---|---|' + '---:|' * len(CARDS_GB) + '---|']
+    body = []
+    for r in rows:
+        cells = ' | '.join('-' if not r[f'{gb}GB'] else str(r[f'{gb}GB']) for gb in CARDS_GB)
+        body.append(f"| {r['model']} | {r['input']} | {r['config']} | {cells} | {r['confirmed_by']} |")
+    return '\n'.join(head + body) + '\n'
+
+
+if __name__ == '__main__':
+    sys.exit(main())
