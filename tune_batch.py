@@ -48,7 +48,9 @@ from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom
 from timm_ext.probe.estimate import EstimateError
-from timm_ext.probe.search import SELECT_MODES, NothingFitsError, die_with_parent
+from timm_ext.probe.forked import die_with_parent
+from timm_ext.probe.selection import SELECT_MODES
+from timm_ext.probe.table import NothingFitsError
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs

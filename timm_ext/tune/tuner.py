@@ -24,12 +24,11 @@ from ..memory import MemoryBudget, device_name, format_bytes, free_memory, parse
 from ..probe.cache import ProbeCache, probe_key
 from ..probe.device_memory import onednn_runs
 from ..probe.estimate import EstimateError, estimate_memory
-from ..probe.search import (
-    BatchGrid, NothingFitsError, SplitGrid, default_grid, format_trial, select_batch_size, trials_to_json,
-)
-from ..probe.trial import (
-    ProbeOutcome, TrainTrialSetup, budget_after_warmup, build_train_trial, nothing_fits_advice, probe_train_batch,
-)
+from ..probe.grids import BatchGrid, SplitGrid, default_grid
+from ..probe.selection import select_batch_size
+from ..probe.table import NothingFitsError, format_trial, trials_to_json
+from ..probe.train_probe import ProbeOutcome, budget_after_warmup, nothing_fits_advice, probe_train_batch
+from ..probe.trial import TrainTrialSetup, build_train_trial
 from ..train.setup import SetupError, batch_multiple, build_datasets
 from .batch_choice import (
     MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
