@@ -496,9 +496,9 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     return lines
 
 
-def summary_lines(tuned: TunedRun, config_path: str, command: str) -> List[str]:
-    """The closing block: the layout, the LR and its rule, the eval batch, the predicted time when one was measured,
-    where the config is and the command that trains from it."""
+def summary_lines(tuned: TunedRun) -> List[str]:
+    """The closing block's summary: the layout, the LR and its rule, the eval batch, and the predicted time when one
+    was measured (`timm_ext.tune.tuned_config.write_tuned_config` adds the config and the train command)."""
     plan = tuned.plan
     ranks = f'{plan.world_size} rank' + ('s' if plan.world_size != 1 else '')
     lines = ['Summary:', f'  Global batch {plan.global_batch} = micro-batch {plan.micro_batch} x accumulation '
@@ -511,4 +511,4 @@ def summary_lines(tuned: TunedRun, config_path: str, command: str) -> List[str]:
         lines.append(f'  Eval batch: train.py\'s own (the micro-batch {plan.micro_batch}, or --validation-batch-size)')
     if tuned.choice is not None:
         lines.append(f'  Predicted time to the recipe\'s result: ~{tuned.choice.chosen.predicted_s:.0f} s of compute')
-    return lines + [f'Config: {config_path}', f'Train command: {command}']
+    return lines
