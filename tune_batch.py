@@ -4,16 +4,16 @@
     python tune_batch.py --data-dir /data/imagenet --model resnet50 --amp --mem-budget 0.9
     python tune_batch.py -c recipe.yaml --target-global-batch 4096 --nproc 8 --dry-run
 
-Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the
-largest micro-batch under the memory budget with real training steps (`timm_ext.probe.trial`), plan accumulation
-for the wanted global batch and the LR (`timm_ext.tune.plan`), write a YAML config that train.py (ours or stock)
-reads with `-c`, print the trial table (once), the report and a closing summary ending in the train command, then
-train unless `--dry-run`: in this process, once everything the probe built is released (the imports are paid once;
-the probe's model, optimizer and allocator cache are gone). With `--nproc N` the probe runs on N ranks under torchrun
-(each rank probes; they agree on the smallest), and once they have exited this process becomes distributed_train.sh
-(`timm_ext.tune.handover`). Started by torchrun
-itself (several nodes, say), it probes and plans on every rank and prints the train command with the topology it was
-started under (`timm_ext.launch`), for each node to run.
+Takes every train.py flag (the same parser definition) plus the batch-tuning group below. Steps: probe the largest
+micro-batch under the memory budget with real training steps (`timm_ext.probe.train_probe`), plan accumulation for the
+wanted global batch and the LR (`timm_ext.tune.plan`), write a YAML config (`timm_ext.tune.tuned_config`) that train.py
+(ours or stock) reads with `-c`, print the trial table (once), the report and a closing summary ending in the train
+command, then train unless `--dry-run`: in this process, once everything the probe built is released (the imports are
+paid once; the probe's model, optimizer and allocator cache are gone). With `--nproc N` the probe runs on N ranks under
+torchrun (each rank probes; they agree on the smallest), and once they have exited this process becomes
+distributed_train.sh (`timm_ext.tune.handover`). Started by torchrun itself (several nodes, say), it probes and plans on
+every rank and prints the train command with the topology it was started under (`timm_ext.launch`), for each node to
+run.
 
 The global batch is an optimisation choice, not a memory one (`--select auto`, the default): a global batch the
 recipe sets is kept exactly; with none set, stock's -b 128 is the recipe, and a bigger one is chosen only when the
@@ -41,22 +41,21 @@ from typing import List, Optional, Set
 from timm import utils
 
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
-from timm_ext.atomic_files import atomic_text
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom
 from timm_ext.probe.estimate import EstimateError
-from timm_ext.probe.search import SELECT_MODES, NothingFitsError, die_with_parent
-from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, config_keys, given_dests, group_dests, parse_args
+from timm_ext.probe.forked import die_with_parent
+from timm_ext.probe.selection import SELECT_MODES
+from timm_ext.probe.table import NothingFitsError
+from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, given_dests, group_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.setup import check_arg_combinations, check_inputs
 from timm_ext.tune.handover import exec_training, release_probe
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
-from timm_ext.tune.plan import (
-    TRAIN_WITH, config_values, extension_flags, planned_command, shell_line, train_command, tuned_config_text,
-)
+from timm_ext.tune.tuned_config import extension_flags, planned_command, train_command, tuned_config, write_tuned_config
 from timm_ext.tune.plot import write_probe_plot
 from timm_ext.tune.estimate_plan import plan_with_estimate
 from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, summary_lines, worth_a_plot
@@ -196,38 +195,30 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
     release_probe(device, bool(args.torchcompile))
 
-    extension_dests = group_dests(parser, EXTENSIONS_GROUP)
-    stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))  # train.py's keys, ours left out
-    values = {**config_values(train_args, parser, stock_dests, tuned.plan), **tuned.schedule}
+    values = dict(tuned.schedule)
     if tuned.eval_batch is not None:
         values['validation_batch_size'] = tuned.eval_batch
     if tuned.size_batches is not None:
         values['train_batch_sizes'] = tuned.size_batches
-    extras = extension_flags(train_args, parser, extension_dests)
-    if tuned.ramp_max_micro is not None:
-        extras += ['--batch-ramp-max-micro', str(tuned.ramp_max_micro)]
+    flags = ['--batch-ramp-max-micro', str(tuned.ramp_max_micro)] if tuned.ramp_max_micro is not None else []
     topology = current_topology() if args.distributed else None  # the launch training must repeat
-    command = train_command(sys.executable, SCRIPT_DIR, config_path, world_size, extras, topology)
-    report = report_lines(tuned, args, extras)
+    config = tuned_config(train_args, parser, tuned.plan, config_path, SCRIPT_DIR, world_size, topology, values, flags)
+    command = config.command
     if primary:
         tables = ['']  # the trials were printed as they ran (or from the cache); the per-size table sums them up
         if tuned.sizes:
             wanted = tuned.size_batches if 'train_batch_sizes' in given else None
             tables += ['Per size:', format_size_table(tuned.sizes, wanted), '']
-        print('\n'.join(tables + report))
-        os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
-        atomic_text(tuned_config_text(values, report + ['', TRAIN_WITH + shell_line(command)]), config_path)
-        if worth_a_plot(tuned):
-            plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
-                                    tuned.plan.micro_batch, tuned.choice)
-            if plot:
-                print(f'Plot: {plot}')
-        print('\n'.join(['', *summary_lines(tuned, config_path, shell_line(command))]), flush=True)
+        print('\n'.join(tables))
+        plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
+                                tuned.plan.micro_batch, tuned.choice) if worth_a_plot(tuned) else None
+        write_tuned_config(config, report_lines(tuned, args, config.flags), [f'Plot: {plot}'] if plot else [],
+                           summary_lines(tuned))
     multi_node = topology is not None and topology.multi_node
     if multi_node and primary:
         print(f'Run it on each of the {topology.nnodes} nodes as tune_batch.py was (each node prints its own).')
     elif multi_node and args.local_rank == 0:
-        print(f'Train command on this node: {shell_line(command)}', flush=True)
+        print(f'Train command on this node: {config.command_line}', flush=True)
     if args.distributed:
         end_process_group()
         if primary and not args.dry_run:
@@ -245,22 +236,13 @@ def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace
         planned = plan_with_estimate(args, given)
     except (EstimateError, NothingFitsError) as e:
         return report(parser.prog, e)
-    chosen = planned.plans[0].plan
     config_path = args.tuned_config or default_config_path(args)
-    extension_dests = group_dests(parser, EXTENSIONS_GROUP)
-    stock_dests = sorted(config_keys(build_parser()) - set(extension_dests))
     topology = planned_topology(args.nnodes, args.nproc)
-    command = train_command(sys.executable, SCRIPT_DIR, config_path, args.nproc,
-                            extension_flags(args, parser, extension_dests), topology)
-    print('\n'.join(planned.lines))
-    values = config_values(args, parser, stock_dests, chosen)
-    if planned.eval_batch is not None:
-        values['validation_batch_size'] = planned.eval_batch
-    os.makedirs(os.path.dirname(os.path.abspath(config_path)), exist_ok=True)
-    atomic_text(tuned_config_text(values, planned.lines + ['', TRAIN_WITH + shell_line(command)]), config_path)
-    if topology is not None:
-        print(f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.')
-    print('\n'.join(['', f'Config: {config_path}', f'Train command: {shell_line(command)}']), flush=True)
+    values = {} if planned.eval_batch is None else {'validation_batch_size': planned.eval_batch}
+    config = tuned_config(args, parser, planned.plans[0].plan, config_path, SCRIPT_DIR, args.nproc, topology, values)
+    notes = [] if topology is None else [
+        f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.']
+    write_tuned_config(config, planned.lines, notes)
     return 0
 
 

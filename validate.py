@@ -18,7 +18,7 @@ from timm.utils import setup_default_logging
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.errors import TimmExtError
 from timm_ext.memory import free_memory
-from timm_ext.probe.search import default_grid
+from timm_ext.probe.grids import default_grid
 from timm_ext.validate.batch_estimate import estimate_eval_batch
 from timm_ext.validate.results import write_results
 from timm_ext.validate.args import parse_validate_args

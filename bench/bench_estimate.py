@@ -45,7 +45,7 @@ def oracle(model: str, img: str, budget: str, onednn: bool) -> int:
 def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
     import torch
     from timm_ext.memory import PeakMeter, memory_cap, parse_budget, steady_cpu_heap
-    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.measure import measured_trial
     from timm_ext.probe.trial import build_train_trial
     torch.set_num_threads(1)
     torch.backends.mkldnn.enabled = onednn
@@ -71,7 +71,7 @@ def cuda_check(models, batches) -> int:
     from timm_ext.cuda_backends import configure_cuda_backends
     from timm_ext.memory import PeakMeter, format_bytes, free_memory
     from timm_ext.probe.estimate import estimate_memory
-    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.measure import measured_trial
     from timm_ext.probe.trial import build_train_trial
     extra = ('--amp', '--opt', 'adamw')
     # every trace first: a trace runs in a forked child, which must not inherit a CUDA context

@@ -38,7 +38,7 @@ def worker_trial(flags: List[str], budget: str, size: int, batch: int) -> None:
     import torch
     from timm_ext.distributed import init_device
     from timm_ext.memory import PeakMeter, memory_cap, parse_budget
-    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.measure import measured_trial
     from timm_ext.probe.trial import build_train_trial
     from timm_ext.train.args import parse_args
     from timm_ext.tune.img_sizes import size_trial_args

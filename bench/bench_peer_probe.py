@@ -5,9 +5,9 @@ Every method runs in its own fresh process under the same real memory cap (RLIMI
 segment after the model is built, plus the budget), on the same model, optimizer, input size and random data, with
 one CPU thread:
 
-* ours: `timm_ext.probe.trial.probe_train_batch` as tune_batch.py runs it (`--headroom`, default as there: 5% on CPU;
-  --select max; the device's default grid; a warm-up and tune_batch's 3 timed updates per trial), and today's search
-  for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and
+* ours: `timm_ext.probe.train_probe.probe_train_batch` as tune_batch.py runs it (`--headroom`, default as there: 5% on
+  CPU; --select max; the device's default grid; a warm-up and tune_batch's 3 timed updates per trial), and today's
+  search for the trial count it must not exceed (grow x2 from 2, then bisect on the decay grid, the same trial and
   headroom, no aiming).
 * lightning-binsearch / lightning-power: `Tuner.scale_batch_size` (init 2, 3 steps per trial, 25 trials, its 5%
   margin) on a LightningModule around the same timm model.
@@ -71,8 +71,10 @@ def worker_ours(config: str, aim: bool, headroom: Optional[float]) -> dict:
     """Our probe (aim) or today's grow-then-bisect on the decay grid (no aim), same trial and headroom."""
     from bench_probe import capped_trial, setup_trial
     from timm_ext.memory import default_headroom, memory_cap, parse_budget
-    from timm_ext.probe.search import DecayGrid, headroom_accept, search_batch_size, select_batch_size
-    from timm_ext.probe.trial import probe_train_batch
+    from timm_ext.probe.grids import DecayGrid
+    from timm_ext.probe.search import search_batch_size
+    from timm_ext.probe.selection import headroom_accept, select_batch_size
+    from timm_ext.probe.train_probe import probe_train_batch
     from timm_ext.tune.tuner import TIMED_STEPS
     setup = setup_trial(train_flags(config))
     budget = parse_budget(CONFIGS[config][3])

@@ -8,7 +8,7 @@ For each configuration (model, input size, budget):
 
 * oracle: every decay-grid size (1, 2, 3, 4, 6, 8, 12, ...) tried alone in a fresh process under the same cap,
   ascending until two sizes in a row fail; the true largest fit is the largest size that fit.
-* probe: `timm_ext.probe.trial.probe_train_batch` (aimed at the budget from measured peaks, settled on the
+* probe: `timm_ext.probe.train_probe.probe_train_batch` (aimed at the budget from measured peaks, settled on the
   device's default grid), with tune_batch.py's default headroom (`--headroom`). `bench/bench_peer_probe.py`
   compares it with the peers and an integer oracle.
 * timm-style decay: descend the decay grid from 1024 (1024, 768, 512, ...) until a size fits.
@@ -77,7 +77,7 @@ def setup_trial(flags):
 def capped_trial(setup, cap, timed_steps=1):
     """The probe's trial under `cap`: one warm-up and `timed_steps` timed updates, forked on CPU."""
     from timm_ext.memory import PeakMeter
-    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.measure import measured_trial
     return measured_trial(setup.step, setup.device, PeakMeter(setup.device, cap.baseline), warmup_steps=1,
                           timed_steps=timed_steps, capped=True, before=setup.reset,
                           isolate=setup.device.type == 'cpu')
@@ -128,7 +128,7 @@ def worker_search(flags, budget, method, select='max', timed_steps=1, headroom=N
     """One search strategy in this fresh process; reports found size, trials and search wall time."""
     from timm_ext.batch_decay import batch_descent
     from timm_ext.memory import default_headroom, memory_cap, parse_budget
-    from timm_ext.probe.trial import probe_train_batch
+    from timm_ext.probe.train_probe import probe_train_batch
     setup = setup_trial(flags)
     budget = parse_budget(budget)
     headroom = default_headroom(setup.device) if headroom is None else headroom
@@ -160,7 +160,7 @@ def worker_search(flags, budget, method, select='max', timed_steps=1, headroom=N
 def worker_sweep(flags, sizes, rounds):
     """Time every given size in `rounds` interleaved rounds (all sizes once per round), in one process, uncapped, with
     the probe's trial (one warm-up and three timed updates, forked on CPU); reports each size's samples/s per round."""
-    from timm_ext.probe.search import measured_trial
+    from timm_ext.probe.measure import measured_trial
     setup = setup_trial(flags)
     trial = measured_trial(setup.step, setup.device, warmup_steps=1, timed_steps=3, before=setup.reset,
                            isolate=setup.device.type == 'cpu')

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 from timm_ext.cuda_backends import configure_cuda_backends  # noqa: E402
 from timm_ext.memory import PeakMeter, device_broken, format_bytes, free_memory, memory_cap, parse_budget  # noqa: E402
-from timm_ext.probe.search import ERROR, FIT, measured_trial  # noqa: E402
+from timm_ext.probe.measure import measured_trial  # noqa: E402
+from timm_ext.probe.table import ERROR, FIT  # noqa: E402
 
 TRAIN = ['--model', 'resnet50', '--img-size', '224', '--num-classes', '3', '--amp', '--device', 'cuda']
 PEAK_BATCH = 96
@@ -54,7 +55,7 @@ def _trial_setup():
 
 
 def peak_one(benchmark_warmup: bool) -> int:
-    from timm_ext.probe.trial import check_step_runs
+    from timm_ext.probe.train_probe import check_step_runs
     setup, device = _trial_setup()
     budget = parse_budget(BUDGET)
     before = budget.resolve(device)

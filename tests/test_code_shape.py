@@ -1,5 +1,6 @@
-"""The layout rules of the library, checked on the code itself: layers import downwards only, and nothing grows past
-the size a reader can hold (a function of ~80 lines, a class of ~250)."""
+"""The layout rules of the library, checked on the code itself: layers import downwards only, nothing grows past the
+size a reader can hold (a function of ~80 lines, a class of ~250, a probe module of ~300), and nothing is kept that
+only the tests use."""
 import ast
 
 import pytest
@@ -8,7 +9,11 @@ from conftest import REPO_ROOT
 
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 250
+MAX_PROBE_MODULE_LINES = 300
 SOURCES = sorted([*(REPO_ROOT / 'timm_ext').rglob('*.py'), *REPO_ROOT.glob('*.py')])
+LIBRARY = sorted((REPO_ROOT / 'timm_ext').rglob('*.py'))
+# what may use the library: the library itself, the scripts and the benches (tests/ never count)
+USERS = sorted([*LIBRARY, *REPO_ROOT.glob('*.py'), *(REPO_ROOT / 'bench').glob('*.py')])
 LAYERS_ABOVE_TRAINING = ('probe', 'tune', 'validate')
 
 
@@ -40,6 +45,41 @@ def test_functions_and_classes_stay_readable(path):
         elif isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
             too_long.append(f'class {node.name}: {lines} lines')
     assert not too_long, f'{path.name}: {too_long}'
+
+
+def defined_names(tree: ast.AST) -> set:
+    """The functions, methods and classes a module defines (dunders left out: Python calls them)."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {node.name for node in ast.walk(tree) if isinstance(node, kinds) and not node.name.startswith('__')}
+
+
+def referenced_names(tree: ast.AST) -> set:
+    """Every name a module uses, bare (`f(x)`) or as an attribute (`obj.f`); a definition or an import is no use."""
+    return ({node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+            | {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)})
+
+
+@pytest.mark.parametrize('path', sorted((REPO_ROOT / 'timm_ext' / 'probe').glob('*.py')),
+                         ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_probe_modules_stay_one_idea_long(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_PROBE_MODULE_LINES, f'{path.name}: {lines} lines; split it by job'
+
+
+def test_every_library_function_is_used_outside_the_tests():
+    """A function, method or class that nothing outside tests/ names is dead code: delete it with its tests, or use
+    it. Names are matched, not resolved, so a name used for something else elsewhere hides a dead one; it never
+    flags a live one."""
+    used = set().union(*(referenced_names(ast.parse(path.read_text())) for path in USERS))
+    unused = [f'{path.relative_to(REPO_ROOT)}: {name}' for path in LIBRARY
+              for name in sorted(defined_names(ast.parse(path.read_text())) - used)]
+    assert not unused, unused
+
+
+def test_the_unused_check_sees_a_function_only_defined_and_exported():
+    tree = ast.parse("__all__ = ['dead']\ndef dead(): pass\ndef live(): pass\nclass Box:\n    def size(self): pass\n"
+                     "    def __len__(self): return 0\nBox().size()\nprint(live)\n")
+    assert defined_names(tree) - referenced_names(tree) == {'dead'}
 
 
 def test_training_imports_none_of_the_layers_built_on_it():

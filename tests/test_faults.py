@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.train.checkpoint import load_training_checkpoint
-from timm_ext.probe.search import FIT, Trial
+from timm_ext.probe.table import FIT, Trial
 from timm_ext.probe.cache import ProbeCache
 from timm_ext.synthetic_data import make_image_folder
 
@@ -210,7 +210,7 @@ def test_damaged_cache_file_is_a_warning_and_a_miss(tmp_path, caplog, damage):
 
 WRITER = """
 import sys
-from timm_ext.probe.search import FIT, Trial
+from timm_ext.probe.table import FIT, Trial
 from timm_ext.probe.cache import ProbeCache
 cache, n = ProbeCache(sys.argv[1]), int(sys.argv[2])
 for i in range(100):

@@ -11,7 +11,8 @@ import torch
 
 from timm_ext.distributed import end_process_group, init_device
 from timm_ext.memory import parse_budget
-from timm_ext.probe.trial import build_train_trial, probe_train_batch
+from timm_ext.probe.train_probe import probe_train_batch
+from timm_ext.probe.trial import build_train_trial
 from timm_ext.train.args import parse_args
 
 

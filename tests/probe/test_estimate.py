@@ -9,7 +9,7 @@ from timm_ext.memory import PeakMeter, data_and_stack, steady_cpu_heap
 from timm_ext.probe.device_memory import CPU_ESTIMATE_MARGIN
 from timm_ext.probe.estimate import TRACE_BATCHES, EstimateError, estimate_memory, in_child
 from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
-from timm_ext.probe.search import measured_trial
+from timm_ext.probe.measure import measured_trial
 from timm_ext.probe.trial import build_train_trial
 from timm_ext.train.args import parse_args
 

@@ -1,4 +1,5 @@
-"""timm_ext.probe.search: the grow-then-bisect search, headroom, selection, and real trials under a real RLIMIT_DATA cap."""
+"""timm_ext.probe: the grids, the aimed and grow-then-bisect search, headroom, selection, re-timing, rank agreement,
+and real trials under a real RLIMIT_DATA cap."""
 import json
 import math
 import subprocess
@@ -8,12 +9,13 @@ import textwrap
 import pytest
 
 from timm_ext.batch_decay import batch_descent
-from timm_ext.probe.search import (
-    MAX_GROWTH, SETTLE_TOL, DecayGrid, MultipleGrid, NothingFitsError, PeakModel, SplitGrid, Trial, TrialError,
-    agree_across_ranks,
-    default_batch_multiple, default_grid, format_trial, headroom_accept, retime_candidates, retime_trials,
-    search_batch_size, select_batch_size, timing_spread, trials_to_json,
-)
+from timm_ext.probe.grids import DecayGrid, MultipleGrid, SplitGrid, default_batch_multiple, default_grid
+from timm_ext.probe.peak_model import PeakModel
+from timm_ext.probe.rank_agreement import agree_across_ranks
+from timm_ext.probe.retime import retime_candidates, retime_trials
+from timm_ext.probe.search import MAX_GROWTH, SETTLE_TOL, search_batch_size
+from timm_ext.probe.selection import headroom_accept, select_batch_size, timing_spread
+from timm_ext.probe.table import NothingFitsError, Trial, TrialError, format_trial, trials_to_json
 
 from conftest import REPO_ROOT
 
@@ -359,7 +361,10 @@ def test_measured_trial_real_oom_under_cap(isolate):
     result = run_python(f'''
         import json, resource, time, torch
         from timm_ext.memory import PeakMeter, memory_cap
-        from timm_ext.probe.search import MultipleGrid, measured_trial, search_batch_size, select_batch_size
+        from timm_ext.probe.grids import MultipleGrid
+        from timm_ext.probe.measure import measured_trial
+        from timm_ext.probe.search import search_batch_size
+        from timm_ext.probe.selection import select_batch_size
         def step(batch_size):  # 1 MiB per sample, held together for a few ms, like activations
             chunks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(batch_size)]
             time.sleep(0.005)  # the peak sampler reads every 0.5 ms; a real step holds its memory far longer
@@ -390,7 +395,8 @@ TRAIN_PROBE = '''
 import json, resource, sys, torch
 from timm_ext.distributed import init_device
 from timm_ext.memory import parse_budget
-from timm_ext.probe.trial import build_train_trial, probe_train_batch
+from timm_ext.probe.train_probe import probe_train_batch
+from timm_ext.probe.trial import build_train_trial
 from timm_ext.train.args import parse_args
 args, _ = parse_args(['--model', 'test_vit', '--model-kwargs', 'img_size=64', '--img-size', '64', '--device', 'cpu',
                       '--num-classes', '3', '--opt', 'adamw', '--model-ema'])
@@ -450,7 +456,8 @@ def test_throughput_selection_on_a_real_sweep():
     """Time a real sweep of batch sizes (no cap), then check the throughput choice against it."""
     result = run_python('''
         import json, torch, timm
-        from timm_ext.probe.search import measured_trial, select_batch_size
+        from timm_ext.probe.measure import measured_trial
+        from timm_ext.probe.selection import select_batch_size
         model = timm.create_model('test_resnet', num_classes=3)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         def step(b):

@@ -2,7 +2,7 @@
 import pytest
 
 from timm_ext.probe.cache import ProbeCache, probe_key
-from timm_ext.probe.search import FIT, Trial
+from timm_ext.probe.table import FIT, Trial
 from timm_ext.train.args import parse_args
 from timm_ext.tune.img_sizes import schedule_inputs
 

@@ -43,7 +43,7 @@ def bucketed_allreduce(rank: int) -> dict:
     expected = [base * 1.5 for base in bases]  # the mean of 1x and 2x
     expected[4] = bases[4]  # unused on rank 0: (0 + 2x) / 2
     reduce = GradientAllReduce(params, 2, bucket_bytes=64)  # 16 float32: several buckets, larger gradients alone
-    buffered = reduce.buffer_elements
+    buffered = sum(b.numel() for pair in reduce._buffers.values() for b in pair)  # the flat buffers it holds
     for p, base in zip(params, bases):
         p.grad = base * (rank + 1)  # randn_like kept the parameter layouts
     if rank == 0:

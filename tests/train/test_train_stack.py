@@ -84,7 +84,7 @@ def test_every_user_facing_error_has_one_base_and_an_exit_status():
     from timm_ext.distributed import DeviceError
     from timm_ext.errors import TimmExtError, UsageError
     from timm_ext.memory import BudgetError
-    from timm_ext.probe.search import NothingFitsError
+    from timm_ext.probe.table import NothingFitsError
     from timm_ext.train.stop_signal import TrainingStopped
     from timm_ext.train.args import ConfigError
     from timm_ext.train.setup import SetupError

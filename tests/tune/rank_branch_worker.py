@@ -12,8 +12,9 @@ import time
 import torch.distributed as dist
 
 from timm_ext.distributed import end_process_group, init_device
-from timm_ext.probe.search import FIT, Selection, Trial
-from timm_ext.probe.trial import ProbeOutcome
+from timm_ext.probe.selection import Selection
+from timm_ext.probe.table import FIT, Trial
+from timm_ext.probe.train_probe import ProbeOutcome
 from timm_ext.train.args import parse_args
 from timm_ext.tune import tuner
 

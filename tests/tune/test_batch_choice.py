@@ -130,7 +130,7 @@ def test_bootstrap_of_noisy_windows_is_wide_or_not_positive():
 
 
 def test_probe_plot_is_written_with_both_panels(tmp_path):
-    from timm_ext.probe.search import FIT, OOM, Trial
+    from timm_ext.probe.table import FIT, OOM, Trial
     from timm_ext.tune.plot import write_probe_plot
     trials = [Trial(64, FIT, peak_bytes=2 ** 27, ms_per_step=60.0, samples_per_s=1066.0, accepted=True),
               Trial(128, FIT, peak_bytes=2 ** 28, ms_per_step=110.0, samples_per_s=1163.0, accepted=True),

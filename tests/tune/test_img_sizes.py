@@ -14,8 +14,11 @@ import yaml
 
 from timm_ext.distributed import init_device
 from timm_ext.errors import UsageError
-from timm_ext.probe.search import FIT, MultipleGrid, Selection, Trial
-from timm_ext.probe.trial import ProbeOutcome, build_train_trial
+from timm_ext.probe.grids import MultipleGrid
+from timm_ext.probe.selection import Selection
+from timm_ext.probe.table import FIT, Trial
+from timm_ext.probe.train_probe import ProbeOutcome
+from timm_ext.probe.trial import build_train_trial
 from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.args import parse_args
 from timm_ext.tune import tuner

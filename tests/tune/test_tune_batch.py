@@ -14,7 +14,10 @@ import pytest
 import yaml
 
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, parse_args
-from timm_ext.tune.plan import config_values, extension_flags, plan_run, tuned_config_text
+from timm_ext.tune.plan import plan_run
+from timm_ext.tune.tuned_config import (
+    config_values, extension_flags, planned_command, tuned_config, tuned_config_text, write_tuned_config,
+)
 
 from conftest import REPO_ROOT, run_script
 from timm_ext.synthetic_data import make_image_folder
@@ -101,6 +104,23 @@ def test_config_holds_only_stock_keys_and_reads_back_identically(tmp_path):
                              'lr': plan.lr_to_write}
     assert vars(read_back) == expected
 
+
+
+def test_the_tuned_config_is_written_and_its_command_printed_in_one_place(tmp_path, capsys):
+    args = train_namespace('--data-dir', '/data', '--model', 'test_vit', '--log-noise-scale')
+    plan = plan_run(args, max_micro_batch=24, world_size=1)
+    path = str(tmp_path / 'made' / 'tuned.yaml')
+    config = tuned_config(args, build_parser(), plan, path, '/scripts', 1, values={'epochs': 7},
+                          flags=['--batch-ramp-max-micro', '8'])
+    assert config.flags == ['--log-noise-scale', '--batch-ramp-max-micro', '8']
+    assert config.command == [sys.executable, '/scripts/train.py', '-c', path, *config.flags]
+    write_tuned_config(config, ['report line'], ['a note'], ['Summary:'])
+    assert capsys.readouterr().out.splitlines() == [
+        'report line', 'a note', '', 'Summary:', f'Config: {path}', f'Train command: {config.command_line}']
+    text = Path(path).read_text()
+    assert yaml.safe_load(text) == config.values and config.values['epochs'] == 7
+    assert 'log_noise_scale' not in config.values, 'extension keys stay on the command line'
+    assert text.startswith('# report line\n') and planned_command(text) == config.command
 
 # ---- the script ---------------------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import timm
 import torch
 
 from ..atomic_files import DiskFullError, atomic_text
-from .search import Trial
+from .table import Trial
 
 __all__ = ['cache_dir', 'probe_key', 'ProbeCache']
 

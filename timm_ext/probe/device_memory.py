@@ -137,7 +137,7 @@ def slow_conv_workspace(func, args: tuple, out) -> int:
     groups = _groups(func, args)
     if groups is None or groups == 1:
         return 0
-    return _nbytes(out if func is torch.ops.aten.convolution.default else args[1])
+    return _nbytes(out if func is torch.ops.aten.convolution.default else _conv_input(func, args))
 
 
 def nnpack_kept(func, args: tuple, out) -> int:
@@ -171,11 +171,18 @@ def _groups(func, args: tuple) -> Optional[int]:
     return None
 
 
+def _conv_input(func, args: tuple) -> Optional[torch.Tensor]:
+    """A convolution op's input (None for other ops): the forward's first argument, the backward's second (after the
+    gradient of the output)."""
+    if func not in _CONVOLUTIONS:
+        return None
+    return args[1] if func is torch.ops.aten.convolution_backward.default else args[0]
+
+
 def cudnn_workspace(func, args: tuple, out) -> int:
     """Assumed cuDNN workspace of a convolution: at most the bytes of its input (0 for other ops)."""
-    if func not in _CONVOLUTIONS:
-        return 0
-    return _nbytes(args[1] if func is torch.ops.aten.convolution_backward.default else args[0])
+    input = _conv_input(func, args)
+    return 0 if input is None else _nbytes(input)
 
 
 def onednn_runs(device_type: str) -> bool:

@@ -1,13 +1,13 @@
 """Know the batch before the run: train.py's own step traced on fake tensors, its peak memory fitted per category.
 
-`estimate_memory` builds the run with train.py's builder (`timm_ext.train.stack`: model, task and loss with mixup,
-label smoothing or distillation, optimizer, EMA, AMP, channels_last, grad checkpointing) and runs the probe trial's
-own update (`timm_ext.probe.trial.trial_train_step`) on fake tensors (`torch._subclasses.FakeTensorMode`): shapes and
-dtypes without storage, so no activation is allocated. `timm_ext.probe.memory_trace.LiveBytes` counts what each op
-would hold; a warm-up update at batch 2 creates the optimizer state, then an update at each of `TRACE_BATCHES` gives
-the peak split into weights, gradients, optimizer state, activations and temporaries. Each category is fitted
-linear in the batch size (least squares), so `MemoryEstimate.peak(b)` is the sum of five lines plus what the device
-adds (`timm_ext.probe.device_memory`).
+`estimate_memory` builds the run with train.py's builder (`timm_ext.train.stack`: model, task and loss with mixup, label
+smoothing or distillation, optimizer, EMA, AMP, channels_last, grad checkpointing) and runs the probe trial's own update
+(`timm_ext.probe.trial_steps.trial_train_step`) on fake tensors (`torch._subclasses.FakeTensorMode`): shapes and dtypes
+without storage, so no activation is allocated. `timm_ext.probe.memory_trace.LiveBytes` counts what each op would hold;
+a warm-up update at batch 2 creates the optimizer state, then an update at each of `TRACE_BATCHES` gives the peak split
+into weights, gradients, optimizer state, activations and temporaries. Each category is fitted linear in the batch size
+(least squares), so `MemoryEstimate.peak(b)` is the sum of five lines plus what the device adds
+(`timm_ext.probe.device_memory`).
 
 The model is built for real (timm models read tensor values while they are built, which fake tensors refuse) and
 then moved onto fake tensors (`to_empty`): the weights cost their real size once, the activations nothing. A model
@@ -32,8 +32,9 @@ from .cuda_autocast import CudaAutocastCasts
 from .device_memory import DeviceModel, device_model
 from .kernel_limits import KernelSizes, launch_limit
 from .memory_trace import CATEGORIES, LiveBytes
-from .search import call_forked
-from .trial import _eval_forward, probe_input_size, trial_loop, trial_train_step
+from .forked import call_forked
+from .trial import probe_input_size
+from .trial_steps import trial_eval_forward, trial_loop, trial_train_step
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
@@ -157,7 +158,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
             stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
                                         grad_scaler=None)
             train_step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
-            step = train_step if step_kind == 'train' else _eval_forward(args, stack, eval_input_size, CPU)
+            step = train_step if step_kind == 'train' else trial_eval_forward(args, stack, eval_input_size, CPU)
             params = [p for p in stack.task.get_trainable_module().parameters() if p.requires_grad]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
             tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)

@@ -32,38 +32,26 @@ The same setup also times the run's evaluation step (`TrainTrialSetup.eval_trial
 gradients of the eval model at the eval input size, with the optimizer state resident as it is when train.py
 evaluates between epochs; tune_batch.py probes it for `validation_batch_size`.
 
-`probe_train_batch` runs the whole probe: budget, cap, the search aimed at the headroom's limit, re-timing
-(throughput choice), choice.
+The steps themselves are in `timm_ext.probe.trial_steps`; `timm_ext.probe.train_probe` runs the whole probe.
 """
 import argparse
 import dataclasses
-import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..cuda_backends import CUDA_GRAPH_MODES
-from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
-from .search import (
-    ERROR, BatchGrid, Selection, Trial, TrialError, TrialFn, agree_across_ranks, headroom_accept,
-    measured_trial, retime_trials, search_batch_size, select_batch_size, default_grid,
-)
-from ..train.loop import LoopConfig, TrainLoop
-from ..train.setup import SetupError, mixup_active, with_values
+from ..train.setup import SetupError, with_values
 from ..train.stack import TrainingStack, build_training_stack
+from .trial_steps import trial_eval_forward, trial_eval_step, trial_loop, trial_train_step
 
-__all__ = ['TrainTrialSetup', 'build_train_trial', 'trial_loop', 'trial_train_step', 'schedule_inputs',
-           'probe_input_size', 'ProbeOutcome', 'probe_train_batch', 'probe_grad_scaler', 'probe_compile_mode',
-           'PROBE_LOSS_SCALE', 'eval_batch_shapes', 'check_step_runs', 'budget_after_warmup']
-
-_logger = logging.getLogger(__name__)
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'schedule_inputs', 'probe_input_size', 'probe_grad_scaler',
+           'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
 
 # Initial loss scale of the probe's float16 scaler: unscaled, an update overflows only when the run's would at any
 # scale, so no trial skips its optimizer step (gradients that underflow to zero cost the same step).
 PROBE_LOSS_SCALE = 1.0
-
 
 
 def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
@@ -203,98 +191,10 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
         stack.optimizer.state.clear()
         loop.grad_scaler = probe_grad_scaler(device) if stack.amp.use_grad_scaler else None
 
-    forward = _eval_forward(args, stack, eval_input_size, device)
+    forward = trial_eval_forward(args, stack, eval_input_size, device)
     return TrainTrialSetup(step, reset, tuple(input_size), _describe_trial(args, stack, input_size, compile_mode),
-                           device, _eval_step(stack, step, forward), eval_input_size, forward,
+                           device, trial_eval_step(stack, step, forward), eval_input_size, forward,
                            args.validation_batch_size, None, max(1, args.world_size), step)
-
-
-def trial_loop(args: argparse.Namespace, stack: TrainingStack, device: torch.device) -> TrainLoop:
-    """train.py's loop over `stack` as a trial runs it: one micro-batch an update, inputs already on the device."""
-    return TrainLoop(
-        stack.task, stack.optimizer,
-        LoopConfig(device=device, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
-                   channels_last=args.channels_last, model_dtype=stack.model_dtype, prefetcher=True),
-        amp_autocast=stack.amp.autocast,
-    )
-
-
-def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: TrainLoop,
-                     input_size: Tuple[int, ...], device: torch.device) -> Callable[[int], None]:
-    """One training update of random inputs at a batch size, holding what DDP would hold besides (the trial's step,
-    and the memory estimate's on fake tensors)."""
-    task, model_dtype = stack.task, stack.model_dtype
-    bucket_bytes = _ddp_bucket_bytes(args, stack)
-    prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
-    splits = max(1, args.aug_splits)  # AugMix splits put `splits` views of each image into a batch
-    num_classes = stack.resolved.num_classes
-    soft = mixup_active(args)
-    updates = [0]
-
-    def step(batch_size: int) -> None:
-        rows = batch_size * splits
-        buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=device) if bucket_bytes else None
-        input = torch.randn((rows,) + tuple(input_size), device=device, dtype=model_dtype or torch.float32)
-        if soft:
-            target = torch.full((rows, num_classes), 1.0 / num_classes, device=device)
-        else:
-            target = torch.randint(0, num_classes, (rows,), device=device)
-        input, target = loop.prepare_batch(input, target)
-        held = [(torch.empty_like(input), torch.empty_like(target)) for _ in range(prefetched)]
-        loop.forward_backward(input, target, weight=1.0, sync=True)
-        loop.optimizer_update()
-        updates[0] += 1
-        task.update_ema(step=updates[0])
-        del buckets, held
-
-    return step
-
-
-def _ddp_bucket_bytes(args: argparse.Namespace, stack: TrainingStack) -> int:
-    """DDP's gradient buckets, about one more copy of the gradients, resident for the whole run (evaluation
-    included); 0 on one process."""
-    if args.world_size <= 1:
-        return 0
-    return sum(p.numel() * p.element_size() for p in stack.task.get_trainable_module().parameters()
-               if p.requires_grad)
-
-
-def _eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_input_size: Tuple[int, ...],
-                  device: torch.device) -> Callable[[int], None]:
-    """One evaluation forward of random inputs at a batch size, as train.py evaluates between epochs."""
-    eval_model, model_dtype = stack.task.get_eval_model(), stack.model_dtype
-    prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
-    bucket_bytes = _ddp_bucket_bytes(args, stack)
-
-    def forward(batch_size: int) -> None:
-        shape = (batch_size,) + eval_input_size
-        buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=device) if bucket_bytes else None
-        held = [torch.randn(shape, device=device, dtype=model_dtype) for _ in range(prefetched)]
-        input = torch.randn(shape, device=device, dtype=model_dtype)
-        if args.channels_last:
-            input = input.contiguous(memory_format=torch.channels_last)
-        eval_model.eval()
-        try:
-            with torch.inference_mode(), stack.amp.autocast():
-                eval_model(input)
-        finally:
-            eval_model.train()
-        del input, held, buckets
-
-    return forward
-
-
-def _eval_step(stack: TrainingStack, train_step: Callable[[int], None],
-               forward: Callable[[int], None]) -> Callable[[int], None]:
-    """The eval-batch probe's step: `forward` with the optimizer state allocated, as when train.py evaluates."""
-    optimizer = stack.optimizer
-
-    def eval_step(batch_size: int) -> None:
-        if not optimizer.state:  # train.py evaluates with the optimizer state allocated: a tiny update makes it
-            train_step(2)  # (batch norm needs 2 samples)
-        forward(batch_size)
-
-    return eval_step
 
 
 def _describe_trial(args: argparse.Namespace, stack: TrainingStack, input_size: Tuple[int, ...],
@@ -310,147 +210,3 @@ def _describe_trial(args: argparse.Namespace, stack: TrainingStack, input_size: 
                               ('SyncBN probed as BN', sync_bn_asked)) if on]
     return (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
             + (', ' + ', '.join(extras) if extras else ''))
-
-
-@dataclass
-class ProbeOutcome:
-    """A finished probe.
-
-    Attributes:
-        selection: The chosen batch and why, with the trial table.
-        budget: The budget in bytes.
-        describe: What was probed (model, input, precision, optimizer).
-        device_name: The device's name.
-        cached: Read from the probe cache (no trials ran).
-    """
-    selection: Selection
-    budget: int
-    describe: str
-    device_name: str
-    cached: bool = False
-
-    @property
-    def trials(self) -> List[Trial]:
-        return self.selection.trials
-
-
-def probe_train_batch(
-        setup: TrainTrialSetup,
-        budget: Union[MemoryBudget, int],
-        headroom: float = 0.1,
-        select: str = 'max',
-        throughput_tol: float = 0.05,
-        start: int = 2,
-        max_batch: Optional[int] = None,
-        grid: Optional[BatchGrid] = None,
-        timed_steps: int = 1,
-        on_trial: Optional[Callable[[Trial], None]] = None,
-        retime_rounds: int = 2,
-        prior: Optional[Tuple[float, float]] = None,
-) -> ProbeOutcome:
-    """Probe the largest training batch under a memory cap and choose one.
-
-    The cap is in force only while trials run and is lifted however the probe ends. Under an initialized process
-    group every rank must call this together: each trial's outcome is agreed across ranks, and the final size is
-    the minimum over ranks.
-
-    Args:
-        setup: The training trial (`build_train_trial`).
-        budget: The memory budget (`timm_ext.memory.parse_budget`), resolved after the first step; or its bytes,
-            resolved by the caller (`budget_after_warmup`).
-        headroom: Fraction of the budget the chosen batch must leave free, judged on measured peak memory.
-        select: 'max' or 'throughput' (see `select_batch_size`).
-        throughput_tol: Tolerance of the throughput choice.
-        start: First batch size tried.
-        max_batch: Largest batch worth trying (dataset size, --max-batch).
-        grid: The sizes trials may take (default: multiples of the device's `default_batch_multiple`).
-        timed_steps: Timed updates per trial after the warm-up update.
-        on_trial: Called with each trial as it completes.
-        retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
-            search skipped between them, again (`retime_trials`).
-        prior: The memory estimate's peak line in this budget's units, to aim the first trial and calibrate
-            (`search_batch_size`).
-
-    Raises:
-        BudgetError: The budget is larger than the device.
-        NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
-    """
-    device = setup.device
-    # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.search.run_forked`)
-    isolate = device.type == 'cpu'
-    if not isolate:
-        check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
-    # resolved after that first update: what it took outside the allocator is no longer free for the budget
-    budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
-    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
-    with memory_cap(device, budget_bytes) as cap:
-        budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
-        trial: TrialFn = measured_trial(
-            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
-            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
-            benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark)
-        trial = agree_across_ranks(trial)
-        # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
-        accept = headroom_accept(_smallest_over_ranks(budget_bytes, device), headroom)
-        grid = grid or default_grid(device.type)
-        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
-                                   peak_limit=accept.limit, prior=prior)
-        if select == 'throughput':
-            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
-    if isolate and not any(t.accepted for t in trials):
-        # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
-        check_step_runs(setup, start)
-    selection = select_batch_size(trials, select, throughput_tol, context)
-    # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
-    chosen = _smallest_over_ranks(selection.batch_size, device)
-    if chosen != selection.batch_size:
-        pick = next(t for t in trials if t.batch_size == chosen)
-        selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
-    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
-
-
-def check_step_runs(setup: TrainTrialSetup, start: int = 2) -> None:
-    """One uncapped trial at a tiny batch (all ranks together): a step that fails without any cap is the run's own
-    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles.
-
-    Raises:
-        TrialError: The step fails; one line naming the run.
-    """
-    uncapped = agree_across_ranks(measured_trial(setup.step, setup.device, before=setup.reset,
-                                                 isolate=setup.device.type == 'cpu'))
-    check = uncapped(min(start, 2))
-    if check.status == ERROR:
-        raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '
-                         f'{device_name(setup.device)}): {check.error}', [check])
-
-
-def budget_after_warmup(setup: TrainTrialSetup, budget: MemoryBudget) -> int:
-    """The budget in bytes as trials will see it: on CUDA resolved after one step has run (`check_step_runs`), since
-    that step's kernels and library handles take memory outside the allocator that a fraction must not count."""
-    if setup.device.type == 'cuda':
-        check_step_runs(setup)
-    return budget.resolve(setup.device)
-
-
-def _smallest_over_ranks(value: int, device: torch.device) -> int:
-    """The minimum of `value` over the ranks of an initialized process group (`value` itself without one)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    box = torch.tensor([value], dtype=torch.int64, device=device if dist.get_backend() == 'nccl' else 'cpu')
-    dist.all_reduce(box, op=dist.ReduceOp.MIN)
-    return int(box.item())
-
-
-def nothing_fits_advice(args: argparse.Namespace) -> str:
-    """Suggestions for a run whose batch of 1-2 does not fit: the memory savers it is not using yet."""
-    tips = []
-    if not args.amp and not args.model_dtype:
-        tips.append('--amp (mixed precision)')
-    if not args.grad_checkpointing:
-        tips.append('--grad-checkpointing')
-    tips.append('a smaller --img-size / --input-size')
-    if args.model_ema and not args.model_ema_force_cpu:
-        tips.append('--model-ema-force-cpu')
-    tips.append('a larger --mem-budget')
-    return 'try ' + ', '.join(tips)
-

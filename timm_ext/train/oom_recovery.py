@@ -222,11 +222,6 @@ class GradientAllReduce:
                          for key, n in sizes.items()}
         self._next = {key: 0 for key in sizes}
 
-    @property
-    def buffer_elements(self) -> int:
-        """Elements held in flat buffers (for tests and memory accounting)."""
-        return sum(b.numel() for pair in self._buffers.values() for b in pair)
-
     def _fresh(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """A flat buffer of its own for a bucket whose layout was not foreseen when the buffers were made (None: the
         bucket is reduced in place, or one of its dtype's two buffers serves)."""

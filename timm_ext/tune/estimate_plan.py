@@ -18,8 +18,9 @@ import torch
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
 from ..probe.device_memory import device_model, onednn_runs
 from ..probe.estimate import EstimateError, MemoryEstimate, estimate_memory
-from ..probe.search import NothingFitsError, default_grid
-from ..probe.trial import nothing_fits_advice
+from ..probe.grids import default_grid
+from ..probe.table import NothingFitsError
+from ..probe.train_probe import nothing_fits_advice
 from .plan import RunPlan, plan_run
 from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 

@@ -30,8 +30,9 @@ from timm.data import ScheduledBatchSampler
 from ..errors import UsageError
 from ..lr import resolve_lr
 from ..memory import format_bytes
-from ..probe.search import BatchGrid
-from ..probe.trial import ProbeOutcome, schedule_inputs
+from ..probe.grids import BatchGrid
+from ..probe.train_probe import ProbeOutcome
+from ..probe.trial import schedule_inputs
 from ..train.setup import with_values
 from .plan import RunPlan
 

@@ -1,28 +1,20 @@
-"""From a probed micro-batch to a run: accumulation, learning rate, the YAML config and the train command.
+"""From a probed micro-batch to a run: accumulation and the learning rate.
 
 `plan_run` decides micro-batch x world size x accumulation and the LR the run will use, through the same functions
-train.py uses (`timm_ext.accum.plan_accumulation`, `timm_ext.lr.resolve_lr` / `rescale_lr`). `tuned_config_text`
-writes a config `train.py -c` reads: only stock train.py keys, so stock timm reads it too; our extension flags and
-the probe's findings go into a comment header, and extension flags onto the command line (`train_command`).
+train.py uses (`timm_ext.accum.plan_accumulation`, `timm_ext.lr.resolve_lr` / `rescale_lr`). The config and the
+command that train from a plan are `timm_ext.tune.tuned_config`'s.
 """
 import argparse
 import dataclasses
-import shlex
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
-
-import yaml
+from typing import Optional
 
 from ..accum import plan_accumulation
-from ..launch import Topology
 from ..lr import default_lr_scale, rescale_lr, resolve_lr
 from ..train.noise_monitor import min_accum_steps
 from ..train.setup import batch_multiple
 
-__all__ = [
-    'RunPlan', 'plan_run', 'plan_global_batch', 'config_values', 'tuned_config_text', 'extension_flags',
-    'train_command', 'shell_line', 'TRAIN_WITH', 'planned_command',
-]
+__all__ = ['RunPlan', 'plan_run', 'plan_global_batch']
 
 
 @dataclass(frozen=True)
@@ -114,83 +106,3 @@ def plan_global_batch(args: argparse.Namespace, micro_batch: int, accum_steps: i
             f'--lr {args.lr:g} was set for the recipe\'s global batch {recipe_global}; rescaled by the {scale} rule '
             f'to {lr:g} for global batch {global_batch}'))
     return plan
-
-
-def config_values(args: argparse.Namespace, parser: argparse.ArgumentParser, keys: Sequence[str],
-                  plan: RunPlan) -> Dict[str, Any]:
-    """The values of `keys` that differ from `parser`'s defaults, with the plan's batch, accumulation and LR.
-
-    Args:
-        args: The resolved train arguments.
-        parser: The train parser (its defaults are what a config may leave out).
-        keys: Dest names to consider (e.g. only stock train.py keys).
-        plan: The run plan.
-    """
-    values = {}
-    for key in keys:
-        value = getattr(args, key)
-        if value != parser.get_default(key):
-            values[key] = list(value) if isinstance(value, tuple) else value
-    values['batch_size'] = plan.micro_batch
-    values['grad_accum_steps'] = plan.accum_steps
-    if plan.lr_to_write is not None:
-        values['lr'] = plan.lr_to_write
-    elif 'lr' in values:
-        del values['lr']
-    return values
-
-
-def tuned_config_text(values: Dict[str, Any], header: Sequence[str]) -> str:
-    """The YAML text: comment lines of `header` (the probe's report, extension settings), then the values."""
-    lines = [line for entry in header for line in entry.split('\n')]  # an entry may be a table of several lines
-    comments = ''.join(f'# {line}\n' if line else '#\n' for line in lines)
-    return comments + yaml.safe_dump(values, default_flow_style=False, sort_keys=True)
-
-
-def extension_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, dests: Sequence[str]) -> List[str]:
-    """Command-line flags reproducing the non-default values of `dests` (our train.py's extension flags)."""
-    actions = {a.dest: a for a in parser._actions}
-    flags: List[str] = []
-    for dest in dests:
-        value, action = getattr(args, dest), actions[dest]
-        if value == action.default:
-            continue
-        option = action.option_strings[-1]
-        if action.nargs == 0:
-            flags.append(option)
-        elif isinstance(value, (list, tuple)):
-            flags += [option, *map(str, value)]
-        else:
-            flags += [option, str(value)]
-    return flags
-
-
-def train_command(python: str, script_dir: str, config_path: str, nproc: int, extra: Sequence[str],
-                  topology: Optional[Topology] = None) -> List[str]:
-    """The train command: `python train.py -c CONFIG ...`, `distributed_train.sh N -c CONFIG ...` on one node, or
-    torchrun with the options of a multi-node `topology` (the one tune_batch.py was started under)."""
-    if topology is not None and topology.multi_node:
-        return [python, '-m', 'torch.distributed.run', *topology.torchrun_options(), f'{script_dir}/train.py',
-                '-c', config_path, *extra]
-    if nproc > 1:
-        return [f'{script_dir}/distributed_train.sh', str(nproc), '-c', config_path, *extra]
-    return [python, f'{script_dir}/train.py', '-c', config_path, *extra]
-
-
-def shell_line(command: Sequence[str]) -> str:
-    return shlex.join(command)
-
-
-TRAIN_WITH = 'Train with: '  # the tuned config's header line that records the train command
-
-
-def planned_command(config_text: str) -> Optional[List[str]]:
-    """The train command a tuned config's header records (`tuned_config_text` with a `TRAIN_WITH` line), or None.
-
-    tune_batch.py --nproc N reads it back once its probe ranks have exited: flags they added from what they measured
-    (--batch-ramp-max-micro) are on it, and on nothing the parent process parsed.
-    """
-    for line in config_text.splitlines():
-        if line.startswith(f'# {TRAIN_WITH}'):
-            return shlex.split(line[len(f'# {TRAIN_WITH}'):])
-    return None

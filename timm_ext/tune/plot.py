@@ -4,6 +4,7 @@ Left: samples/s and peak memory of every trial by micro-batch, the chosen one ma
 batches were judged: the predicted time to the recipe's result of each candidate, the recipe's and the chosen one
 marked. The text report holds the same figures; this is for looking at.
 """
+import os
 from typing import Optional, Sequence
 
 __all__ = ['write_probe_plot']
@@ -49,6 +50,7 @@ def write_probe_plot(path: str, trials: Sequence, chosen_micro: int, choice=None
         ax.set_ylabel('predicted time to the recipe\'s result (s)')
         ax.set_title('global batches judged (green: chosen)')
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # drawn before the YAML beside it is written
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

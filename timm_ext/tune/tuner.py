@@ -24,12 +24,11 @@ from ..memory import MemoryBudget, device_name, format_bytes, free_memory, parse
 from ..probe.cache import ProbeCache, probe_key
 from ..probe.device_memory import onednn_runs
 from ..probe.estimate import EstimateError, estimate_memory
-from ..probe.search import (
-    BatchGrid, NothingFitsError, SplitGrid, default_grid, format_trial, select_batch_size, trials_to_json,
-)
-from ..probe.trial import (
-    ProbeOutcome, TrainTrialSetup, budget_after_warmup, build_train_trial, nothing_fits_advice, probe_train_batch,
-)
+from ..probe.grids import BatchGrid, SplitGrid, default_grid
+from ..probe.selection import select_batch_size
+from ..probe.table import NothingFitsError, format_trial, trials_to_json
+from ..probe.train_probe import ProbeOutcome, budget_after_warmup, nothing_fits_advice, probe_train_batch
+from ..probe.trial import TrainTrialSetup, build_train_trial
 from ..train.setup import SetupError, batch_multiple, build_datasets
 from .batch_choice import (
     MAX_TUNE_SHARE, GlobalBatchChoice, NoiseEstimate, batch_warnings, choose_global_batch, format_candidates,
@@ -497,9 +496,9 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     return lines
 
 
-def summary_lines(tuned: TunedRun, config_path: str, command: str) -> List[str]:
-    """The closing block: the layout, the LR and its rule, the eval batch, the predicted time when one was measured,
-    where the config is and the command that trains from it."""
+def summary_lines(tuned: TunedRun) -> List[str]:
+    """The closing block's summary: the layout, the LR and its rule, the eval batch, and the predicted time when one
+    was measured (`timm_ext.tune.tuned_config.write_tuned_config` adds the config and the train command)."""
     plan = tuned.plan
     ranks = f'{plan.world_size} rank' + ('s' if plan.world_size != 1 else '')
     lines = ['Summary:', f'  Global batch {plan.global_batch} = micro-batch {plan.micro_batch} x accumulation '
@@ -512,4 +511,4 @@ def summary_lines(tuned: TunedRun, config_path: str, command: str) -> List[str]:
         lines.append(f'  Eval batch: train.py\'s own (the micro-batch {plan.micro_batch}, or --validation-batch-size)')
     if tuned.choice is not None:
         lines.append(f'  Predicted time to the recipe\'s result: ~{tuned.choice.chosen.predicted_s:.0f} s of compute')
-    return lines + [f'Config: {config_path}', f'Train command: {command}']
+    return lines

@@ -268,7 +268,7 @@ def make_eval_step(em: EvalModel, prefetch_copies: int = 1) -> Callable[[int], N
 
     The input is made on the device (no data loading). With the prefetcher, the loader holds the next batch while
     the model runs on the current one, so `prefetch_copies` extra input batches are kept alive during the step.
-    Failures (OOM or not) propagate; `timm_ext.probe.search.measured_trial` turns them into trial records.
+    Failures (OOM or not) propagate; `timm_ext.probe.measure.measured_trial` turns them into trial records.
     """
     input_size = tuple(em.data_config['input_size'])
 

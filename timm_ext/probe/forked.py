@@ -1,0 +1,110 @@
+"""Process helpers: a function run in a forked child that dies with its parent, and a trial run that way.
+
+On CPU a process does not give memory back between trials (glibc's heap high-water mark, oneDNN's per-shape caches),
+so CPU trials run in a fresh fork each (`run_forked`); the memory estimate traces in one too (`call_forked`), and
+tune_batch.py's torchrun ranks die with it (`die_with_parent`).
+"""
+import ctypes
+import json
+import logging
+import os
+import signal
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .table import ERROR, OOM, Trial
+
+__all__ = ['die_with_parent', 'call_forked', 'run_forked']
+
+_logger = logging.getLogger(__name__)
+
+
+_SINGLE_THREAD_NOTE = [False]
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (for a child, right after fork or before exec).
+
+    A parent killed with SIGKILL runs no cleanup, so without this its trial children would run on as orphans, each
+    holding memory under the probe's cap. Elsewhere than Linux this does nothing.
+
+    Args:
+        parent: The parent's pid, read before the fork: if it has already died, this process exits at once.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def call_forked(fn: Callable[[], object], threads: int = 1) -> Tuple[Optional[object], int]:
+    """Run `fn` in a forked child (which dies with this process) and return its JSON-able answer and wait status.
+
+    The answer is None when the child gave none (it died, or `fn` raised). With `threads` > 1 (this process runs
+    other threads, whose GNU OpenMP pool does not survive a fork) the child computes with one thread. Interrupted
+    while the child runs, this kills it before the interrupt goes on.
+    """
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    # a Ctrl-C that lands inside fork's own handlers (logging's lock release) is swallowed there: hold it until after
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pid = os.fork()
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if pid == 0:  # child: never returns
+        status = 0
+        try:
+            die_with_parent(parent)
+            os.close(read_fd)
+            if threads > 1:
+                torch.set_num_threads(1)
+            os.write(write_fd, json.dumps(fn()).encode())
+        except BaseException:  # noqa: B036 - the child must exit here whatever happens
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    try:
+        chunks = []
+        while chunk := os.read(read_fd, 65536):
+            chunks.append(chunk)
+        _, wait_status = os.waitpid(pid, 0)
+        pid = 0
+    finally:
+        os.close(read_fd)
+        if pid:  # interrupted while the child runs: stop it, then let the interrupt through
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return (json.loads(b''.join(chunks)) if chunks else None), wait_status
+
+
+def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:
+    """Run `trial_fn` in a forked child process and return its trial (Linux CPU trials).
+
+    Why: on CPU a process does not give memory back between trials. glibc keeps its heap high-water mark and
+    oneDNN caches the primitives (with their buffers) of every shape it has run, so under RLIMIT_DATA each trial
+    would pay for the ones before it. A fork starts every trial from the same state, exactly as a fresh process
+    would, and the rlimit is inherited. oneDNN also does not check every allocation: under a cap a child can die of
+    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the training probe first runs the same step
+    uncapped, so a step that crashes anyway is reported as the run's failure), never as a crash of the caller.
+
+    GNU OpenMP's thread pool does not survive fork; if this process already runs other threads, the child computes
+    with one thread.
+    """
+    threads = len(os.listdir('/proc/self/task'))
+    reply, wait_status = call_forked(lambda: trial_fn().to_dict(), threads)
+    if threads > 1 and not _SINGLE_THREAD_NOTE[0]:
+        _SINGLE_THREAD_NOTE[0] = True
+        _logger.info('Probe trials run in forked processes with 1 CPU thread (this process already runs threads).')
+    if reply is not None:
+        return Trial.from_dict(reply)
+    if os.WIFSIGNALED(wait_status):
+        sig = signal.Signals(os.WTERMSIG(wait_status)).name
+        if capped and os.WTERMSIG(wait_status) in (signal.SIGSEGV, signal.SIGBUS, signal.SIGKILL):
+            return Trial(batch_size, OOM, error=f'trial process killed by {sig} under the memory cap')
+        return Trial(batch_size, ERROR, error=f'trial process killed by {sig}')
+    return Trial(batch_size, ERROR, error=f'trial process exited with status {os.WEXITSTATUS(wait_status)}')

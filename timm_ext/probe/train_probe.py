@@ -1,0 +1,158 @@
+"""The training probe: the largest training batch under a memory cap, searched, chosen and agreed across ranks.
+
+`probe_train_batch` puts the pieces together for a training trial (`timm_ext.probe.trial`): the budget resolved after
+a first step, the cap in force while trials run, each trial measured (`timm_ext.probe.measure`) and agreed across ranks
+(`timm_ext.probe.rank_agreement`), the search aimed at the headroom's limit (`timm_ext.probe.search`), re-timing for a
+throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`).
+"""
+import argparse
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+
+from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
+from .grids import BatchGrid, default_grid
+from .measure import measured_trial
+from .rank_agreement import agree_across_ranks, smallest_over_ranks
+from .retime import retime_trials
+from .search import search_batch_size
+from .selection import Selection, headroom_accept, select_batch_size
+from .table import ERROR, Trial, TrialError, TrialFn
+from .trial import TrainTrialSetup
+
+__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'nothing_fits_advice']
+
+
+@dataclass
+class ProbeOutcome:
+    """A finished probe.
+
+    Attributes:
+        selection: The chosen batch and why, with the trial table.
+        budget: The budget in bytes.
+        describe: What was probed (model, input, precision, optimizer).
+        device_name: The device's name.
+        cached: Read from the probe cache (no trials ran).
+    """
+    selection: Selection
+    budget: int
+    describe: str
+    device_name: str
+    cached: bool = False
+
+    @property
+    def trials(self) -> List[Trial]:
+        return self.selection.trials
+
+
+def probe_train_batch(
+        setup: TrainTrialSetup,
+        budget: Union[MemoryBudget, int],
+        headroom: float = 0.1,
+        select: str = 'max',
+        throughput_tol: float = 0.05,
+        start: int = 2,
+        max_batch: Optional[int] = None,
+        grid: Optional[BatchGrid] = None,
+        timed_steps: int = 1,
+        on_trial: Optional[Callable[[Trial], None]] = None,
+        retime_rounds: int = 2,
+        prior: Optional[Tuple[float, float]] = None,
+) -> ProbeOutcome:
+    """Probe the largest training batch under a memory cap and choose one.
+
+    The cap is in force only while trials run and is lifted however the probe ends. Under an initialized process
+    group every rank must call this together: each trial's outcome is agreed across ranks, and the final size is
+    the minimum over ranks.
+
+    Args:
+        setup: The training trial (`build_train_trial`).
+        budget: The memory budget (`timm_ext.memory.parse_budget`), resolved after the first step; or its bytes,
+            resolved by the caller (`budget_after_warmup`).
+        headroom: Fraction of the budget the chosen batch must leave free, judged on measured peak memory.
+        select: 'max' or 'throughput' (see `select_batch_size`).
+        throughput_tol: Tolerance of the throughput choice.
+        start: First batch size tried.
+        max_batch: Largest batch worth trying (dataset size, --max-batch).
+        grid: The sizes trials may take (default: multiples of the device's `default_batch_multiple`).
+        timed_steps: Timed updates per trial after the warm-up update.
+        on_trial: Called with each trial as it completes.
+        retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
+            search skipped between them, again (`retime_trials`).
+        prior: The memory estimate's peak line in this budget's units, to aim the first trial and calibrate
+            (`search_batch_size`).
+
+    Raises:
+        BudgetError: The budget is larger than the device.
+        NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
+    """
+    device = setup.device
+    # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.forked.run_forked`)
+    isolate = device.type == 'cpu'
+    if not isolate:
+        check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
+    # resolved after that first update: what it took outside the allocator is no longer free for the budget
+    budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
+    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
+    with memory_cap(device, budget_bytes) as cap:
+        budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
+        trial: TrialFn = measured_trial(
+            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
+            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
+            benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark)
+        trial = agree_across_ranks(trial)
+        # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
+        accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
+        grid = grid or default_grid(device.type)
+        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
+                                   peak_limit=accept.limit, prior=prior)
+        if select == 'throughput':
+            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
+    if isolate and not any(t.accepted for t in trials):
+        # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
+        check_step_runs(setup, start)
+    selection = select_batch_size(trials, select, throughput_tol, context)
+    # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
+    chosen = smallest_over_ranks(selection.batch_size, device)
+    if chosen != selection.batch_size:
+        pick = next(t for t in trials if t.batch_size == chosen)
+        selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
+    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+
+
+def check_step_runs(setup: TrainTrialSetup, start: int = 2) -> None:
+    """One uncapped trial at a tiny batch (all ranks together): a step that fails without any cap is the run's own
+    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles.
+
+    Raises:
+        TrialError: The step fails; one line naming the run.
+    """
+    uncapped = agree_across_ranks(measured_trial(setup.step, setup.device, before=setup.reset,
+                                                 isolate=setup.device.type == 'cpu'))
+    check = uncapped(min(start, 2))
+    if check.status == ERROR:
+        raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '
+                         f'{device_name(setup.device)}): {check.error}', [check])
+
+
+def budget_after_warmup(setup: TrainTrialSetup, budget: MemoryBudget) -> int:
+    """The budget in bytes as trials will see it: on CUDA resolved after one step has run (`check_step_runs`), since
+    that step's kernels and library handles take memory outside the allocator that a fraction must not count."""
+    if setup.device.type == 'cuda':
+        check_step_runs(setup)
+    return budget.resolve(setup.device)
+
+
+def nothing_fits_advice(args: argparse.Namespace) -> str:
+    """Suggestions for a run whose batch of 1-2 does not fit: the memory savers it is not using yet."""
+    tips = []
+    if not args.amp and not args.model_dtype:
+        tips.append('--amp (mixed precision)')
+    if not args.grad_checkpointing:
+        tips.append('--grad-checkpointing')
+    tips.append('a smaller --img-size / --input-size')
+    if args.model_ema and not args.model_ema_force_cpu:
+        tips.append('--model-ema-force-cpu')
+    tips.append('a larger --mem-budget')
+    return 'try ' + ', '.join(tips)
