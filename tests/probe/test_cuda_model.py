@@ -12,7 +12,7 @@ from timm_ext.memory import parse_budget
 from timm_ext.probe.cuda_autocast import CudaAutocastCasts
 from timm_ext.probe.device_memory import CARD_REPORTED_SHARE, CUDA_CONTEXT_BYTES, card_memory, device_model
 from timm_ext.probe.estimate import MemoryEstimate, estimate_memory
-from timm_ext.probe.kernel_limits import KernelSizes, launch_limit, native_depthwise
+from timm_ext.probe.kernel_limits import KernelSizes, launch_limit
 from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
 from timm_ext.tune.estimate_plan import plan_from_estimate
 from timm_ext.train.args import parse_args
@@ -117,36 +117,40 @@ def test_the_forward_only_estimates_hold_far_less_than_an_update():
     assert validate.largest_batch(1 * GiB) > 2 * train.largest_batch(1 * GiB)
 
 
-@pytest.mark.parametrize('dtype,filter,stride,channels,native', [
-    (torch.float16, 3, 1, 64, False),  # cuDNN takes it
-    (torch.bfloat16, 3, 1, 64, True),  # cuDNN's depthwise path is float16 only
-    (torch.float16, 7, 1, 64, True),  # ConvNeXt's 7x7
-    (torch.float16, 3, 2, 64, True),  # a blur pool's stride 2 on few channels
-    (torch.float16, 3, 2, 512, False),
-    (torch.float16, 3, 1, 16, True),  # under 32 channels
-])
-def test_which_depthwise_convolutions_run_on_pytorchs_32_bit_kernel(dtype, filter, stride, channels, native):
-    with FakeTensorMode():
-        input, weight = torch.empty(8, channels, 56, 56, dtype=dtype), torch.empty(channels, 1, filter, filter)
-    assert native_depthwise(input, weight, [stride, stride]) is native
-
-
-def test_a_native_depthwise_convolution_limits_the_batch_below_2_31_elements():
+def _sizes(run) -> dict:
+    """What `KernelSizes` records while `run` runs on fake tensors under float16 autocast."""
     with FakeTensorMode():
         sizes = KernelSizes()
         with sizes, torch.autocast('cpu', dtype=torch.float16):
-            x, w = torch.randn(4, 64, 96, 96), torch.randn(64, 1, 7, 7)
-            F.conv2d(x, w, padding=3, groups=64)
-    per_sample = {name: size / 4 for name, size in sizes.sizes.items()}
-    assert per_sample['depthwise_elements'] == 64 * 96 * 96
-    batch, why = launch_limit(per_sample)
-    assert batch == (2 ** 31 - 1) // (64 * 96 * 96) and '2**31' in why
-    assert launch_limit({'depthwise_elements': 0, 'attention_rows': 0}) == (None, '')
+            run()
+    return sizes.sizes
+
+
+def test_a_7x7_depthwise_convolution_limits_the_batch_below_2_31_elements_and_a_contiguous_3x3_does_not():
+    x = lambda: torch.randn(4, 64, 96, 96)
+    seven = _sizes(lambda: F.conv2d(x(), torch.randn(64, 1, 7, 7), padding=3, groups=64))
+    three = _sizes(lambda: F.conv2d(x(), torch.randn(64, 1, 3, 3), padding=1, groups=64))
+    strided = _sizes(lambda: F.conv2d(x().transpose(2, 3), torch.randn(64, 1, 3, 3), padding=1, groups=64))
+    per_sample = lambda sizes: {k: v / 4 for k, v in sizes.items()}
+    batch, why = launch_limit(per_sample(seven))
+    assert batch == (2 ** 31 - 1) // (64 * 96 * 96) and '2**31' in why  # ConvNeXt's kernel (PyTorch's own)
+    assert launch_limit(per_sample(three)) == (None, '')  # cuDNN's, which indexes in 64 bits
+    assert launch_limit(per_sample(strided))[0] == batch  # a permuted input takes PyTorch's kernel (pvt_v2, gcvit)
+
+
+def test_reflection_padding_and_unmasked_attention_have_limits_masked_attention_does_not():
+    pad = _sizes(lambda: F.pad(torch.randn(2, 8, 16, 16), (1, 1, 1, 1), mode='reflect'))
+    assert launch_limit({k: v / 2 for k, v in pad.items()})[0] == (2 ** 31 - 1) // (8 * 18 * 18)
+    q = lambda: torch.randn(64, 3, 49, 32)  # 64 windows of one sample
+    plain = _sizes(lambda: F.scaled_dot_product_attention(q(), q(), q()))
+    masked = _sizes(lambda: F.scaled_dot_product_attention(q(), q(), q(), attn_mask=torch.zeros(49, 49)))
+    assert launch_limit(plain) == (1023, launch_limit(plain)[1]) and '65536' in launch_limit(plain)[1]
+    assert launch_limit(masked) == (None, '')
 
 
 def test_attention_windows_limit_the_batch_to_65535_rows_whatever_the_card():
     # a windowed attention of 64 windows a sample: batch 1024 would be 65536 rows (timm's tables: davit_tiny, hieradet)
     estimate = _estimate({'activations': (0.0, 1 * MiB)})
-    estimate = dataclasses.replace(estimate, kernel_sizes={'attention_rows': 64.0})
+    estimate = dataclasses.replace(estimate, kernel_sizes={'attention unmasked': 64.0})
     assert estimate.largest_batch(1000 * GiB) == 1023 == estimate.largest_batch(2000 * GiB)
     assert estimate.largest_batch(100 * MiB) == 100  # where memory binds first, memory decides

@@ -50,7 +50,9 @@ CUDA_SEGMENT_SLACK = 0.05  # free tails of the caching allocator's segments at t
 CARD_REPORTED_SHARE = 0.985
 NOMINAL_CARD_GB = (4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 180, 192, 288)
 
-_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+# conv2d: under inference_mode it reaches the dispatch modes undecomposed
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
+                 torch.ops.aten.conv2d.default)
 
 
 @dataclass(frozen=True)
