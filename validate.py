@@ -78,7 +78,8 @@ def plan_from_estimate(args, argv) -> int:
             skip = token in ('--mem-budget', '-b', '--batch-size')
             continue
         kept.append(token)
-    print(f'Validate command: {shlex.join([sys.executable, sys.argv[0] or "validate.py", *kept, "--batch-size", str(batch), "--retry"])}')
+    command = [sys.executable, sys.argv[0] or 'validate.py', *kept, '--batch-size', str(batch), '--retry']
+    print(f'Validate command: {shlex.join(command)}')
     return 0
 
 

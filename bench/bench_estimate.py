@@ -25,6 +25,7 @@ CALIBRATED_ON = {'resnet18', 'efficientnet_b0', 'vit_tiny_patch16_224'}  # the C
 
 CUDA_MODELS = ('resnet50:224', 'vit_small_patch16_224:224', 'efficientnet_b0:224', 'convnext_tiny:224')
 CUDA_BATCHES = (32, 64, 128)
+CUDA_CAP_GIB = 12.0  # the fraction cap the largest batch is searched under
 
 
 def run_args(model: str, img: str, *extra: str):
@@ -65,8 +66,10 @@ def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
     return fit
 
 
-def cuda_check(models, batches) -> int:
-    """The CUDA model on a GPU: predicted peak against `max_memory_reserved` of a real probe trial (--amp, AdamW)."""
+def cuda_check(models, batches, cap_gib: float = CUDA_CAP_GIB) -> int:
+    """The CUDA model on a GPU, measured as the probe measures (cuDNN's benchmark search before the window):
+    the predicted peak against `max_memory_reserved` at a few batches, then the largest batch that really holds under
+    a `set_per_process_memory_fraction` cap of `cap_gib`, searched from the prediction (--amp, AdamW)."""
     import torch
     from timm_ext.cuda_backends import configure_cuda_backends
     from timm_ext.memory import PeakMeter, format_bytes, free_memory
@@ -78,14 +81,16 @@ def cuda_check(models, batches) -> int:
     estimates = {spec: estimate_memory(run_args(*spec.split(':'), *extra), 'cuda') for spec in models}
     device = torch.device('cuda')
     configure_cuda_backends(device)
-    print('| model | batch | estimate | max_memory_reserved | estimate / reserved |')
+    cap = int(cap_gib * (1 << 30))
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory)
+    print(f'| model | batch | estimate | max_memory_reserved | estimate / reserved |   (cap {cap_gib} GiB)')
     print('|---|---|---|---|---|')
-    ratios = []
+    ratios, largest = [], []
     for spec, estimate in estimates.items():
         args = run_args(*spec.split(':'), *extra, '--device', 'cuda')
         setup = build_train_trial(args, device)
         trial = measured_trial(setup.step, device, PeakMeter(device), warmup_steps=1, timed_steps=1,
-                               before=setup.reset)
+                               before=setup.reset, benchmark_warmup=True)
         for batch in batches:
             real = trial(batch)
             if not real.fits:
@@ -94,13 +99,39 @@ def cuda_check(models, batches) -> int:
             ratios.append(estimate.peak(batch) / real.peak_bytes)
             print(f'| {spec} | {batch} | {format_bytes(estimate.peak(batch))} | {format_bytes(real.peak_bytes)} | '
                   f'{ratios[-1]:.2f} |', flush=True)
+        # a fraction caps the allocator alone: the context is outside it, so the prediction plans in the whole cap
+        predicted = estimate.largest_batch(cap)
+        real = largest_near(trial, predicted)
+        largest.append(predicted / max(1, real))
+        print(f'| {spec} | largest under the cap | predicted {predicted} | holds {real} | '
+              f'{predicted / max(1, real):.2f} |', flush=True)
         del setup, trial
         free_memory(device)
     if not ratios:
         print('RESULT: no trial fitted')
         return 1
-    print(f'RESULT: estimate / max_memory_reserved {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} trials')
+    print(f'RESULT: estimate / max_memory_reserved {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} trials; '
+          f'predicted / real largest batch {min(largest):.2f}-{max(largest):.2f} over {len(largest)} models')
     return 0
+
+
+def largest_near(trial, predicted: int, step: float = 0.04, most: int = 8) -> int:
+    """The largest batch that holds, searched from `predicted` in steps of `step` (then bisected), `most` trials."""
+    fit, fail, size = 0, None, max(1, predicted)
+    for _ in range(most):
+        if trial(size).fits:
+            fit = size
+        else:
+            fail = size
+        if fail is not None and fail - fit <= max(1, fit // 50):
+            break
+        if fail is None:
+            size = max(size + 1, int(size * (1 + step)))
+        elif fit == 0:
+            size = max(1, int(size * (1 - step)))
+        else:
+            size = (fit + fail) // 2
+    return fit
 
 
 def main() -> int:

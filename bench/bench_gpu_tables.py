@@ -58,7 +58,7 @@ MAX_PARAMS_M = 400  # larger models take minutes to build for real before the tr
 
 
 def family(model: str) -> str:
-    """A model's family: its name's leading letters, weight-source prefixes dropped (tf_efficientnet -> efficientnet)."""
+    """A model's family: its name's leading letters, weight-source prefixes dropped (tf_efficientnet: efficientnet)."""
     name = re.sub(r'^(tf_|tv_|gluon_|legacy_|ig_|ssl_|swsl_|timm_)', '', model)
     return re.match(r'[a-z]+', name).group(0)
 
@@ -207,8 +207,9 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
                   + (': below it ' + ', '.join(f"{r['model']}@{r['img_size']} {b}" for r, b in low
                                                if b < r['batch']) if reached < len(low) else '') + '.', '']
     traced = [e['seconds'] for e in cache.values() if 'seconds' in e]
-    lines.append(f'Traces: {len(traced)}, {sum(traced):.0f} s of tracing in all (median {sorted(traced)[len(traced) // 2]:.1f} s); '
-                 f'this run {seconds:.0f} s.' if traced else f'This run {seconds:.0f} s.')
+    median = sorted(traced)[len(traced) // 2] if traced else 0.0
+    lines.append(f'Traces: {len(traced)}, {sum(traced):.0f} s of tracing in all (median {median:.1f} s); this run '
+                 f'{seconds:.0f} s.')
     return lines
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check: the CUDA paths of train.py, tune_batch.py and validate.py on one GPU, in a few minutes.
 #
-#   bash bench/gpu_check.sh [--dry-run] [--out DIR]        (PYTHON=/path/to/python to pick the interpreter)
+#   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--only PART,...]   (PYTHON=/path/to/python: the interpreter)
 #
 # Nothing is downloaded: the data are generated shapes (timm_ext.synthetic_data), models start from random init.
 # Parts, each with its own time limit:
@@ -16,20 +16,26 @@
 #   bench peak    a probe trial's peak with cuDNN's benchmark search inside / outside the measured window
 #   stop cost     samples/s with and without the old per-update stop flag (all-reduce read on the host)
 #   sticky error  a trial that breaks the CUDA context: one error trial, no second raise from the cleanup
-#   estimate      the memory estimate for CUDA against max_memory_reserved of real trials (bench/bench_estimate.py)
+#   estimate      the CUDA memory estimate against max_memory_reserved of real trials measured as the probe measures
+#                 (cuDNN's benchmark search before the window), and the largest batch that really holds under a
+#                 12 GiB set_per_process_memory_fraction, searched from the prediction (bench/bench_estimate.py;
+#                 alone, --only estimate, about 2 minutes)
 # Samples/s come from the wall clock between train.py's progress lines (each one syncs the GPU), after the first
 # two. One summary table at the end; the exit status is 1 if any part failed. --dry-run prints every command and
-# runs nothing. Logs and outputs go to DIR (default: output/gpu_check).
+# runs nothing; --only runs the parts named (their names as in the table). Logs and outputs go to DIR (default:
+# output/gpu_check).
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$REPO/output/gpu_check"
 DRY_RUN=0
+ONLY=''
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --out) OUT="$2"; shift ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --only) ONLY=",$2,"; shift ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -58,15 +64,19 @@ declare -a ROWS=()
 FAILED=0
 
 row() {  # part status seconds result
+  [ "$SKIPPED" = 1 ] && return 0
   ROWS+=("$(printf '%-12s %-6s %6s  %s' "$1" "$2" "$3" "$4")")
   [ "$2" = ok ] || [ "$2" = '-' ] || FAILED=1
 }
 
 # run NAME LIMIT_S CMD...: print the command; unless --dry-run, run it (unbuffered) with its output, each line
 # prefixed by the time it arrived, in $OUT/NAME.log; ELAPSED is its wall time
+SKIPPED=0
 run() {
   local name="$1" limit="$2"
   shift 2
+  SKIPPED=0
+  if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then SKIPPED=1; return 0; fi
   printf '+ '; printf '%q ' "$@"; printf '\n'
   [ "$DRY_RUN" = 1 ] && return 0
   local start=$SECONDS
@@ -230,7 +240,7 @@ for PART in 'bench peak:peak:300' 'stop cost:stop-cost:240' 'sticky error:sticky
 done
 
 # ---- the memory estimate against the allocator (bench/bench_estimate.py --device cuda) ----------------------------
-if run estimate 300 "$PY" "$REPO/bench/bench_estimate.py" --device cuda; then
+if run estimate 240 "$PY" "$REPO/bench/bench_estimate.py" --device cuda; then
   [ "$DRY_RUN" = 1 ] || row estimate ok "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/estimate.log" | tail -1 | cut -c9-)"
 else
   row estimate FAIL "$ELAPSED" "see $OUT/estimate.log"

@@ -291,5 +291,6 @@ def test_retry_starts_where_the_estimate_predicts_a_fit(validate_main, capsys, c
     status, results, _ = run_main(validate_main, capsys, *argv)
     assert status == 0
     start = start_batch(4096, predicted.batch_size)
-    assert f'predicted not to fit (the memory estimate: {predicted.batch_size}); the pass starts at {start}' in caplog.text
+    said = f'predicted not to fit (the memory estimate: {predicted.batch_size}); the pass starts at {start}'
+    assert said in caplog.text
     assert results['batch_size'] == start  # no cap in force here: the pass ran where it started

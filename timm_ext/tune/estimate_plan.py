@@ -104,7 +104,8 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
     ranks = f'{nodes} node(s) x {nproc} process(es)' if nodes > 1 else f'{nproc} process(es)'
     lines = [f'Estimate (no real trial ran): {estimate.describe}, traced on fake tensors in {estimate.seconds:.1f} s; '
              f'for {estimate.device.name}, {ranks}, headroom {headroom:.0%}.',
-             f'Assumed: {estimate.device.assumptions}.', *_budget_lines(estimate, plans), '', 'Predicted peak per micro-batch:',
+             f'Assumed: {estimate.device.assumptions}.', *_budget_lines(estimate, plans), '',
+             'Predicted peak per micro-batch:',
              *estimate.table(sizes, first.usable), '', 'What fits where:',
              f'{"budget":>10s} {"fits up to":>11s} {"micro-batch":>12s} {"accum":>6s} {"global":>7s} {"LR":>9s} '
              f'{"predicted peak":>15s} {"eval batch":>11s}']
