@@ -52,7 +52,8 @@ TABLES = {  # source file -> (kind, start batch, card, the memory CUDA reports f
 EAGER_CONTEXT_BYTES = 1024 * MiB  # CUDA 11.3 without lazy loading: every kernel module of torch loaded at start
 TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
 INFER_FLAGS = ('--amp', '--no-prefetcher')
-ROWS_PER_FAMILY = 2
+ROWS_PER_FAMILY = {'train': 1, 'infer': 2}  # training traces cost four updates each
+SECOND_TRAIN_ROWS = 30  # families that give the training table a second row (their median model)
 LOWER_BOUND_ROWS = 12  # rows at the start value kept per table (lower bounds)
 MAX_PARAMS_M = 400  # larger models take minutes to build for real before the trace
 
@@ -64,8 +65,8 @@ def family(model: str) -> str:
 
 
 def select_rows(repo: str) -> List[dict]:
-    """Pick the data file's rows from a timm checkout: per table and family, the smallest and the median model the
-    decay reached (`ROWS_PER_FAMILY`), every decayed row of the atlas's models (`bench_atlas.MODELS`), and a few rows
+    """Pick the data file's rows from a timm checkout: per table and family, the smallest model the decay reached and
+    for inference (and `SECOND_TRAIN_ROWS` training families) the median one, every decayed row of the atlas's models (`bench_atlas.MODELS`), and a few rows
     at the start value."""
     import subprocess
     import timm
@@ -90,9 +91,10 @@ def select_rows(repo: str) -> List[dict]:
             while decay_batch_step(upper) > batch:
                 upper = decay_batch_step(upper)
             decayed[family(r['model'])].append(dict(row, next_rung=upper))
-        for rows in decayed.values():
+        for n, rows in enumerate(decayed[f] for f in sorted(decayed)):
             rows.sort(key=lambda r: r['params_m'])
-            picks = {0, len(rows) // 2} if ROWS_PER_FAMILY > 1 else {0}
+            second = ROWS_PER_FAMILY[kind] > 1 or n < SECOND_TRAIN_ROWS
+            picks = {0, len(rows) // 2} if second else {0}
             picks |= {i for i, r in enumerate(rows) if r['model'] in ATLAS_MODELS}
             chosen += [rows[i] for i in sorted(picks)]
         seen = set()
@@ -148,19 +150,21 @@ def trace(kind: str, model: str, img_size: int) -> dict:
                 seconds=e.seconds, grad_bytes=e.grad_bytes, kernel_sizes=e.kernel_sizes)
 
 
-def to_estimate(entry: dict, kind: str):
+def to_estimate(entry: dict, kind: str, **device_values):
+    """A cached trace as the estimate for its table's software (`device_values`: constants replaced, for --sweep)."""
     from timm_ext.probe.device_memory import device_model
     from timm_ext.probe.estimate import MemoryEstimate
-    device = device_model('cuda')
+    device = device_model('cuda', forward_only=kind == 'infer')
     if kind == 'train':
         device = dataclasses.replace(device, context_bytes=EAGER_CONTEXT_BYTES)
+    device = dataclasses.replace(device, **device_values)
     return MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()},
                           {int(b): v for b, v in entry['traced'].items()}, device, entry['describe'],
                           entry['seconds'], entry['grad_bytes'], entry.get('kernel_sizes', {}))
 
 
-def predicted(entry: dict, kind: str, card_bytes: int) -> int:
-    estimate = to_estimate(entry, kind)
+def predicted(entry: dict, kind: str, card_bytes: int, **device_values) -> int:
+    estimate = to_estimate(entry, kind, **device_values)
     # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
     return estimate.largest_batch(estimate.device.usable(card_bytes), accumulating=kind == 'train')
 
@@ -213,12 +217,33 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
     return lines
 
 
+def sweep(rows: List[dict], cache: Dict[str, dict]) -> List[str]:
+    """The hit rate of each table over the two constants set from it: the segment tails and the context."""
+    lines = []
+    for source, (kind, _, card, card_bytes) in TABLES.items():
+        decayed = [(r, cache[trace_key(kind, r['model'], r['img_size'])]) for r in rows if r['source'] == source
+                   and r['next_rung'] and 'lines' in cache.get(trace_key(kind, r['model'], r['img_size']), {})]
+        if not decayed:
+            continue
+        slacks = (0.0, 0.02, 0.05, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3)
+        lines += [f'{card} ({len(decayed)} rows): rows within the rung by segment tails (columns) and context (rows)',
+                  '| context | ' + ' | '.join(f'{s:.0%}' for s in slacks) + ' |', '|---|' + '---|' * len(slacks)]
+        for context_mib in (400, 600, 800, 1024, 1280, 1536):
+            hits = [sum(r['batch'] <= predicted(e, kind, card_bytes, segment_slack=s, context_bytes=context_mib * MiB)
+                        < r['next_rung'] for r, e in decayed) for s in slacks]
+            lines.append(f'| {context_mib} MiB | ' + ' | '.join(f'{h / len(decayed):.0%}' for h in hits) + ' |')
+        lines.append('')
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--table', choices=('train', 'infer'), default=None, help='only this kind of table')
     parser.add_argument('--fresh', action='store_true', help='trace again even where a cached trace exists')
     parser.add_argument('--select-rows', metavar='TIMM_REPO', default=None,
                         help='rewrite bench/gpu_tables.csv from a timm checkout, then stop')
+    parser.add_argument('--sweep', action='store_true',
+                        help='print each table\'s hit rate over the segment tails and the context, then stop')
     parser.add_argument('--shard', default='0/1', metavar='I/N', help='trace only every N-th trace from the I-th')
     parser.add_argument('--output', default=os.path.join(ROOT, 'bench', 'results', 'gpu_tables.md'))
     args = parser.parse_args(argv)
@@ -229,6 +254,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     started = time.perf_counter()
     rows = [r for r in read_rows() if args.table in (None, TABLES[r['source']][0])]
+    if args.sweep:
+        print('\n'.join(sweep(rows, read_cache())))
+        return 0
     shard, shards = map(int, args.shard.split('/'))
     own = os.path.join(CACHE_DIR, f'{CACHE_NAME}.{shard}of{shards}.json')
     cache = {} if args.fresh else read_cache()

@@ -43,7 +43,9 @@ CPU_ESTIMATE_MARGIN = 0.15
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = 600 * MiB  # outside the allocator: the CUDA context with cuBLAS / cuDNN handles
 CUBLAS_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's default workspace on recent GPUs, inside the allocator
-CUDA_SEGMENT_SLACK = 0.05  # free tails of the caching allocator's segments at the peak
+# free tails of the caching allocator's segments at the peak, a share of what is live: an update keeps its
+# activations until the backward, a forward frees each soon after the next layer made its own (more, smaller holes)
+CUDA_SEGMENT_SLACK = {'update': 0.05, 'forward': 0.05}
 # what CUDA reports as total memory of a card sold as N GB: 0.9875 on an RTX 3090, 0.980 on an RTX 5090, 0.99 on
 # A100 / H100 / H200 (the cards' public specifications against `total_memory`); ECC-on GDDR cards (T4, A10, L4) lose
 # 6% more, which a nominal size cannot tell: give such a card's budget as the size CUDA shows
@@ -192,17 +194,18 @@ def onednn_runs(device_type: str) -> bool:
     return device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
-def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
-    """The model for 'cpu' (oneDNN on or off) or 'cuda'."""
+def device_model(device_type: str, onednn: bool = False, forward_only: bool = False) -> DeviceModel:
+    """The model for 'cpu' (oneDNN on or off) or 'cuda' (an update's, or a forward's: `forward_only`)."""
     if device_type == 'cuda':
+        slack = CUDA_SEGMENT_SLACK['forward' if forward_only else 'update']
         return DeviceModel(
             'cuda', caching_allocator_bytes, cudnn_workspace, fixed={'cublas': CUBLAS_WORKSPACE_BYTES},
-            segment_slack=CUDA_SEGMENT_SLACK, context_bytes=CUDA_CONTEXT_BYTES,
-            assumptions=(f'CUDA caching allocator rounding (512 B, 2 MiB segments, {CUDA_SEGMENT_SLACK:.0%} segment '
-                         f'tails), cuBLAS workspace {CUBLAS_WORKSPACE_BYTES // MiB} MiB, cuDNN workspace <= a '
-                         f'convolution\'s input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read '
-                         f'as {CARD_REPORTED_SHARE:.1%} of it, CUDA autocast\'s float32 casts; set against timm\'s '
-                         f'published GPU tables, not yet measured on a GPU'))
+            segment_slack=slack, context_bytes=CUDA_CONTEXT_BYTES,
+            assumptions=(f'CUDA caching allocator rounding (512 B, 2 MiB segments, {slack:.0%} segment tails), '
+                         f'cuBLAS workspace {CUBLAS_WORKSPACE_BYTES // MiB} MiB, cuDNN workspace <= a convolution\'s '
+                         f'input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read as '
+                         f'{CARD_REPORTED_SHARE:.1%} of it, CUDA autocast\'s float32 casts, kernel launch limits; set '
+                         f'against timm\'s published GPU tables, not yet measured on a GPU'))
     if device_type != 'cpu':
         raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers cpu and cuda')
     runtime = {'runtime': CPU_RUNTIME_BYTES}

@@ -209,7 +209,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
-    device = device_model(device_type, onednn)
+    device = device_model(device_type, onednn, forward_only=step_kind != 'train')
 
     def trace() -> dict:
         if device_type == 'cpu':

@@ -1,0 +1,37 @@
+"""docs/what-fits.md and its CSV against a fresh estimate: the atlas says what today's code predicts."""
+import csv
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / 'bench'))
+import bench_atlas  # noqa: E402
+
+ROWS = list(csv.DictReader((REPO_ROOT / 'docs' / 'what-fits.csv').open()))
+
+
+def test_the_atlas_covers_its_models_steps_and_cards_and_is_linked_from_the_readme():
+    assert {r['model'] for r in ROWS} == set(bench_atlas.MODELS)
+    assert {r['config'] for r in ROWS} == set(bench_atlas.CONFIGS)
+    assert all(f'{gb}GB' in ROWS[0] for gb in bench_atlas.CARDS_GB)
+    assert 'docs/what-fits.md' in (REPO_ROOT / 'README.md').read_text()
+    doc = (REPO_ROOT / 'docs' / 'what-fits.md').read_text()
+    assert doc.count('\n| ') >= len(ROWS)  # every CSV row is a row of the page
+
+
+@pytest.mark.parametrize('model,config', [('resnet18', 'fp16 sgd'), ('vit_tiny_patch16_224', 'eval fp16')])
+def test_atlas_rows_match_a_fresh_estimate(model, config):
+    row = next(r for r in ROWS if r['model'] == model and r['config'] == config)
+    entry = bench_atlas.trace(model, config)
+    for gb in bench_atlas.CARDS_GB:
+        fresh, written = bench_atlas.largest(entry, gb, config), int(row[f'{gb}GB'])
+        assert fresh == pytest.approx(written, rel=0.01), (model, config, gb)
+    if config.startswith('fp16'):  # bfloat16's rows repeat float16's: a bfloat16 trace holds the same bytes
+        twin = bench_atlas.trace(model, config.replace('fp16', 'bf16'))
+        assert [bench_atlas.largest(twin, gb, config) for gb in bench_atlas.CARDS_GB] == [
+            bench_atlas.largest(entry, gb, config) for gb in bench_atlas.CARDS_GB]
+    # more memory never fits fewer samples
+    sizes = [int(row[f'{gb}GB']) for gb in bench_atlas.CARDS_GB]
+    assert sizes == sorted(sizes) and sizes[0] > 0
