@@ -130,7 +130,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def markdown(rows: List[dict], traced_s: float, run_s: float) -> str:
-    head = ['# What fits where', '',
+    head = ['# What fits where', '', '<!-- flags: tune_batch.py validate.py bench/bench_atlas.py -->', '```bash',
+            'python tune_batch.py --model resnet50 --amp --device cuda --mem-budget 24GiB,80GiB --estimate  # your own',
+            'python validate.py --model resnet50 --amp --device cuda --mem-budget 80GiB --estimate     # eval batch',
+            'python bench/bench_atlas.py                                  # regenerate this page and what-fits.csv',
+            '```', '',
             'The largest batch of timm\'s most used models on six card sizes, before you rent one: the training '
             'micro-batch of train.py\'s own step (AMP float16 or bfloat16, SGD with momentum or AdamW, one process, '
             'train.py\'s defaults, no headroom) and validate.py\'s eval batch (float16), at each model\'s default '
@@ -143,9 +147,8 @@ def markdown(rows: List[dict], traced_s: float, run_s: float) -> str:
             '**Confirmed**: one of timm\'s published GPU tables holds this model, and the CUDA model, run as that '
             'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
             '[docs/gpu.md](gpu.md)). Unmarked rows are predictions only.', '',
-            f'Plan one yourself: `python tune_batch.py --model MODEL --amp --device cuda --mem-budget 24GiB,80GiB '
-            f'--estimate`. Regenerate: `python bench/bench_atlas.py` ({traced_s / 60:.0f} min of tracing on 2 CPU '
-            f'cores; this run {run_s:.0f} s). The same rows as CSV: [what-fits.csv](what-fits.csv).', '',
+            f'The page took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run {run_s:.0f} s). The same rows '
+            f'as CSV: [what-fits.csv](what-fits.csv).', '',
             '| model | input | step | ' + ' | '.join(f'{gb} GB' for gb in CARDS_GB) + ' | confirmed by |',
             '|---|---|---|' + '---:|' * len(CARDS_GB) + '---|']
     body = []

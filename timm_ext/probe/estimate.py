@@ -158,7 +158,9 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
             stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
                                         grad_scaler=None)
             train_step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
-            step = train_step if step_kind == 'train' else trial_eval_forward(args, stack, eval_input_size, CPU)
+            # a forward traced under no_grad: inference_mode would hide the temporaries inside composite ops
+            step = train_step if step_kind == 'train' else trial_eval_forward(args, stack, eval_input_size, CPU,
+                                                                              no_grad=torch.no_grad)
             params = [p for p in stack.task.get_trainable_module().parameters() if p.requires_grad]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
             tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)

@@ -6,7 +6,7 @@ what DDP would hold besides (a buffer the size of the gradients for its buckets)
 on fake tensors.
 """
 import argparse
-from typing import Callable, Tuple
+from typing import Callable, ContextManager, Tuple
 
 import torch
 
@@ -68,8 +68,14 @@ def _ddp_bucket_bytes(args: argparse.Namespace, stack: TrainingStack) -> int:
 
 
 def trial_eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_input_size: Tuple[int, ...],
-                       device: torch.device) -> Callable[[int], None]:
-    """One evaluation forward of random inputs at a batch size, as train.py evaluates between epochs."""
+                       device: torch.device, no_grad: Callable[[], ContextManager] = torch.inference_mode
+                       ) -> Callable[[int], None]:
+    """One evaluation forward of random inputs at a batch size, as train.py evaluates between epochs.
+
+    `no_grad`: the context without autograd; the memory estimate traces under `torch.no_grad`, where composite ops
+    (linear, layer_norm) still decompose into the ops that hold their temporaries (`inference_mode` hands them to
+    the trace whole, their copies of a permuted input unseen); what a forward holds is the same in both.
+    """
     eval_model, model_dtype = stack.task.get_eval_model(), stack.model_dtype
     prefetched = 0 if args.no_prefetcher else 1  # the prefetcher holds the next batch while the model runs
     bucket_bytes = _ddp_bucket_bytes(args, stack)
@@ -83,7 +89,7 @@ def trial_eval_forward(args: argparse.Namespace, stack: TrainingStack, eval_inpu
             input = input.contiguous(memory_format=torch.channels_last)
         eval_model.eval()
         try:
-            with torch.inference_mode(), stack.amp.autocast():
+            with no_grad(), stack.amp.autocast():
                 eval_model(input)
         finally:
             eval_model.train()
