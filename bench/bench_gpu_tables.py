@@ -49,7 +49,7 @@ TABLES = {  # source file -> (kind, start batch, card, the memory CUDA reports f
     'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': ('infer', 2048, 'RTX Pro 6000 Max-Q 96 GB',
                                                              int(95.0 * GiB)),
 }
-EAGER_CONTEXT_BYTES = 1024 * MiB  # CUDA 11.3 without lazy loading: every kernel module of torch loaded at start
+EAGER_CONTEXT_BYTES = 1280 * MiB  # CUDA 11.3 without lazy loading: every kernel module of torch loaded at start
 TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
 INFER_FLAGS = ('--amp', '--no-prefetcher')
 ROWS_PER_FAMILY = {'train': 1, 'infer': 2}  # training traces cost four updates each
