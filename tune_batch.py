@@ -57,7 +57,7 @@ from timm_ext.tune.handover import exec_training, release_probe
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
 from timm_ext.tune.tuned_config import extension_flags, planned_command, train_command, tuned_config, write_tuned_config
 from timm_ext.tune.plot import write_probe_plot
-from timm_ext.tune.estimate_plan import plan_with_estimate
+from timm_ext.tune.estimate_plan import check_estimate_inputs, plan_with_estimate
 from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, summary_lines, worth_a_plot
 
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
@@ -143,6 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         given = given_dests(argv, parser)
         schedule_mode(args, given)  # a schedule it cannot honour is refused before any probe
         if args.estimate:  # the data and the device may be on the machine the plan is for, not here
+            check_estimate_inputs(args)
             return tune_from_estimate(parser, args, given)
         check_inputs(args)
         if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
