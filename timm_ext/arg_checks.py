@@ -26,8 +26,8 @@ from PIL import Image
 from .amp import AMP_DTYPES, MODEL_DTYPES
 
 __all__ = [
-    'COMMON_DOMAINS', 'DeviceName', 'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'check_values',
-    'flag_defaults', 'flag_names', 'folder_problem', 'split_problem', 'writable_file_problem',
+    'COMMON_DOMAINS', 'DeviceName', 'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS',
+    'check_values', 'flag_defaults', 'flag_names', 'folder_problem', 'split_problem', 'writable_file_problem',
 ]
 
 Count = Union[int, Tuple[int, int], None]

@@ -41,15 +41,23 @@ def test_estimate_on_cpu_prints_the_per_batch_table_by_category(tmp_path):
         assert category in head
 
 
-def test_bad_budget_lists_are_one_line_errors(tmp_path):
-    for extra, needle in ((['--mem-budget', '1GiB,2GiB'], 'several budgets are for --estimate'),
-                          (['--mem-budget', '0.5', '--estimate', '--device', 'cuda'], 'needs the GPU'),
-                          (['--mem-budget', '1GiB,lots', '--estimate'], '--mem-budget'),
-                          (['--nnodes', '2'], '--nnodes')):
-        done = run_script('tune_batch.py', '--data-dir', tmp_path, *SMALL, *extra)
-        assert done.returncode != 0
-        assert needle in done.stderr and 'Traceback' not in done.stderr, done.stderr
-        assert len(done.stderr.strip().splitlines()) <= 2  # usage line and the error
+@pytest.mark.parametrize('extra, needle', [
+    (['--mem-budget', '1GiB,2GiB'], 'several budgets are for --estimate'),
+    (['--mem-budget', '0.5', '--estimate', '--device', 'cuda'], 'needs the GPU'),
+    (['--mem-budget', '1GiB,lots', '--estimate'], '--mem-budget'),
+    (['--nnodes', '2'], '--nnodes'),
+])
+def test_bad_budget_lists_are_one_line_errors(tmp_path, capsys, extra, needle):
+    # in this process: each is refused before any trace or probe (the script's own main, as a shell would run it)
+    try:
+        code = _tune_batch_main()(['--data-dir', str(tmp_path), *SMALL, '--tuned-config', str(tmp_path / 'p.yaml'),
+                                   *extra])
+    except SystemExit as e:  # the parser's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code != 0 and needle in err and 'Traceback' not in err, err
+    assert len(err.strip().splitlines()) <= 2  # usage line and the error
+    assert not (tmp_path / 'p.yaml').exists()
 
 
 def test_a_model_the_estimate_cannot_trace_is_probed_without_it(image_folder, tmp_path):

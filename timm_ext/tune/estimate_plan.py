@@ -201,7 +201,6 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     if chosen is None:
         print('\n'.join(lines))
         raise NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {nothing_fits_advice(args)}')
-    lines += ['', f'Plan for {plans[0].budget_text}: global batch {chosen.global_batch} = {chosen.micro_batch} x '
-                  f'{world_size} rank(s) x {chosen.accum_steps}. {chosen.reason}',
-              f'LR {chosen.lr:g} ({chosen.lr_rule or "given"}): {chosen.lr_reason}']
+    lines += ['', f'Plan for {plans[0].budget_text}, {world_size} rank(s): {chosen.split_line()}',
+              f'LR: {chosen.lr_reason}']
     return EstimatedRun(estimate, plans, lines)
