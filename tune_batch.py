@@ -57,8 +57,10 @@ from timm_ext.tune.handover import exec_training, release_probe
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
 from timm_ext.tune.tuned_config import extension_flags, planned_command, train_command, tuned_config, write_tuned_config
 from timm_ext.tune.plot import write_probe_plot
-from timm_ext.tune.estimate_plan import plan_with_estimate
-from timm_ext.tune.tuner import default_config_path, plan_tuned_run, report_lines, summary_lines, worth_a_plot
+from timm_ext.tune.estimate_plan import check_estimate_inputs, plan_with_estimate
+from timm_ext.tune.tuner import (
+    EVAL_PROBE_MODES, default_config_path, plan_tuned_run, report_lines, shown_report, summary_lines, worth_a_plot,
+)
 
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -99,6 +101,10 @@ def build_tune_parser() -> argparse.ArgumentParser:
                        help='train on N processes of this node (through distributed_train.sh); each probes')
     group.add_argument('--tuned-config', default=None, metavar='PATH',
                        help='where to write the YAML config (default: ./output/tune/<model>-<img size>.yaml)')
+    group.add_argument('--eval-probe', default='auto', choices=EVAL_PROBE_MODES,
+                       help='auto: probe the eval batch (validation_batch_size) only when its few forward-only trials '
+                            'are predicted to cost at most 5%% of the run\'s evaluations; on: always (where the '
+                            'validation split holds more than the micro-batch); off: never')
     group.add_argument('--dry-run', action='store_true', default=False,
                        help='probe and plan, write the config and print the command, but do not train')
     group.add_argument('--no-cache', action='store_true', default=False,
@@ -143,6 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         given = given_dests(argv, parser)
         schedule_mode(args, given)  # a schedule it cannot honour is refused before any probe
         if args.estimate:  # the data and the device may be on the machine the plan is for, not here
+            check_estimate_inputs(args)
             return tune_from_estimate(parser, args, given)
         check_inputs(args)
         if args.nproc > 1 and 'WORLD_SIZE' not in os.environ:
@@ -212,8 +219,9 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         print('\n'.join(tables))
         plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
                                 tuned.plan.micro_batch, tuned.choice) if worth_a_plot(tuned) else None
-        write_tuned_config(config, report_lines(tuned, args, config.flags), [f'Plot: {plot}'] if plot else [],
-                           summary_lines(tuned))
+        report = report_lines(tuned, args, config.flags)
+        write_tuned_config(config, report, [f'Plot: {plot}'] if plot else [], summary_lines(tuned),
+                           shown=shown_report(tuned, report))
     multi_node = topology is not None and topology.multi_node
     if multi_node and primary:
         print(f'Run it on each of the {topology.nnodes} nodes as tune_batch.py was (each node prints its own).')

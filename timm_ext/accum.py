@@ -41,7 +41,8 @@ class AccumPlan:
         global_batch: micro_batch * world_size * accum_steps.
         target_global: The global batch that was asked for.
         exact: True when global_batch == target_global.
-        reason: One sentence on why this split was chosen.
+        reason: Why this split, to follow the split itself (which the caller states): "exactly (...)" or "no split
+            of ... ; this is the nearest (...)".
     """
     micro_batch: int
     accum_steps: int
@@ -83,7 +84,6 @@ def plan_accumulation(target_global: int, world_size: int, max_micro_batch: int,
         if target_global % (micro_batch * world_size) == 0:
             accum_steps = target_global // (micro_batch * world_size)
             return plan(micro_batch, accum_steps,
-                        f'global batch {target_global} = {micro_batch} x {world_size} ranks x {accum_steps} accum '
                         f'exactly (largest micro-batch <= {max_micro_batch} that divides it).')
 
     def distance(micro_batch: int) -> tuple:
@@ -95,5 +95,5 @@ def plan_accumulation(target_global: int, world_size: int, max_micro_batch: int,
     got = best * world_size * accum_steps
     return plan(best, accum_steps,
                 f'no split of global batch {target_global} over {world_size} ranks uses a micro-batch between '
-                f'{candidates[-1]} and {usable}; nearest is {got} = {best} x {world_size} x {accum_steps} '
-                f'({(got - target_global) / target_global:+.1%}), so the LR must be rescaled to it.')
+                f'{candidates[-1]} and {usable}; this is the nearest ({(got - target_global) / target_global:+.1%}), '
+                f'so the LR must be rescaled to it.')

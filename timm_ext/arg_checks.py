@@ -17,6 +17,7 @@ threshold of 0, a mixup probability of 3). The checks of file and folder inputs 
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
@@ -25,8 +26,8 @@ from PIL import Image
 from .amp import AMP_DTYPES, MODEL_DTYPES
 
 __all__ = [
-    'COMMON_DOMAINS', 'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS', 'check_values',
-    'flag_defaults', 'flag_names', 'folder_problem', 'split_problem', 'writable_file_problem',
+    'COMMON_DOMAINS', 'DeviceName', 'Domain', 'Names', 'Number', 'Rule', 'Values', 'TRAIN_DOMAINS', 'TUNE_DOMAINS',
+    'check_values', 'flag_defaults', 'flag_names', 'folder_problem', 'split_problem', 'writable_file_problem',
 ]
 
 Count = Union[int, Tuple[int, int], None]
@@ -169,6 +170,31 @@ class Rule(Domain):
         return self.words
 
 
+_DEVICE_RE = re.compile(r'^[a-z_][a-z0-9_]*(:[0-9]+)?$')
+
+
+class DeviceName(Domain):
+    """A torch device name: a type torch knows and an optional index >= 0 ('cpu', 'cuda', 'cuda:1', 'mps').
+
+    Whether this machine has that device is `timm_ext.distributed.check_device`'s question, asked only where the run
+    needs it (tune_batch.py --estimate plans for another machine). A type that a --device-modules package registers
+    is known to torch only once that package is imported: with --device-modules any 'type[:index]' is admitted here.
+    """
+
+    def admits(self, value: Any, args: argparse.Namespace = None) -> bool:
+        import torch
+        if not isinstance(value, str):
+            return False
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            return bool(getattr(args, 'device_modules', None)) and bool(_DEVICE_RE.match(value))
+        return True
+
+    def allowed(self, args: argparse.Namespace = None) -> str:
+        return 'a torch device name: cpu, cuda, cuda:<index>, mps, xpu, ... (index >= 0)'
+
+
 class ImageMode(Domain):
     """A PIL image mode with one band per input channel (the loader's normalisation needs one of each)."""
 
@@ -266,6 +292,7 @@ COMMON_DOMAINS: Mapping[str, Domain] = {
     'fuser': Names(('', 'te', 'old', 'nvfuser')),  # timm.utils.set_jit_fuser's names
     'dataset': Rule(_is_dataset, f"'' or a folder/tar reader name, or {'/, '.join(DATASET_PREFIXES)}/<name>"),
     'input_img_mode': ImageMode(),
+    'device': DeviceName(),
 }
 
 TRAIN_DOMAINS: Mapping[str, Domain] = {

@@ -120,7 +120,9 @@ class MemoryBudget:
         return self.num_bytes
 
     def __str__(self) -> str:
-        return f'{self.fraction:g} of available memory' if self.fraction is not None else format_bytes(self.num_bytes)
+        if self.fraction is not None:
+            return f'{self.fraction * 100:.4g}% of available memory'
+        return format_bytes(self.num_bytes)
 
 
 def parse_budget(text: Union[str, float, int]) -> MemoryBudget:
@@ -390,39 +392,50 @@ STEADY_MMAP_THRESHOLD = 128 * 1024  # glibc's starting threshold; fixing it stop
 _STEADY = [False]
 
 
+def _glibc() -> Optional[ctypes.CDLL]:
+    """This process's C library when it is glibc on Linux and the user set no mmap threshold of their own
+    (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES), else None: where `steady_cpu_heap` can act."""
+    if sys.platform != 'linux' or 'MALLOC_MMAP_THRESHOLD_' in os.environ or \
+            'mmap_threshold' in os.environ.get('GLIBC_TUNABLES', ''):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if libc.gnu_get_libc_version else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 def steady_cpu_heap() -> bool:
     """Fix glibc's mmap threshold at 128 KiB, so large blocks are always mapped and handed back when freed.
 
-    This makes a CPU run's peak memory the same in every process (see the module docstring), so the batch a probe
-    finds fits the training process that follows; train.py, validate.py and tune_batch.py call it (through
-    `timm_ext.distributed.init_device`) before the model is built, the probe's trial children inherit it. A threshold
-    the user set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) is left alone, as is any libc other than glibc.
+    This makes a CPU process's peak memory the same in every process (see the module docstring), at a cost: every
+    large block is a fresh mapping with fresh page faults, ~10% of a CPU training run's speed. So it is set only where
+    a memory cap is in force: in the probe's trial children (`timm_ext.probe.trial`), whose peaks choose the batch,
+    and in a train.py / validate.py run started under a data-segment cap (`timm_ext.distributed.init_device`), which
+    must peak as its probe did. A threshold the user set is left alone, as is any libc other than glibc. glibc has no
+    way back to its dynamic threshold: a process that sets it keeps it.
 
     Returns:
         Whether the threshold is fixed in this process (by this call or an earlier one).
     """
     if _STEADY[0]:
         return True
-    if sys.platform != 'linux' or 'MALLOC_MMAP_THRESHOLD_' in os.environ or \
-            'mmap_threshold' in os.environ.get('GLIBC_TUNABLES', ''):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        _STEADY[0] = bool(libc.gnu_get_libc_version and libc.mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD))
-    except (OSError, AttributeError):  # not glibc
-        return False
+    libc = _glibc()
+    _STEADY[0] = bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD))
     return _STEADY[0]
 
 
 def default_headroom(device: DeviceLike) -> float:
     """The share of the budget a chosen batch leaves free when none is asked: 5% on CPU, 10% elsewhere.
 
-    On CPU with the steady heap the measured peak is what the cap sees, the same in every process: resnet18 at 112 px
-    under 1 GiB peaked within 0.1 MB across fresh processes, and batch 173, sampled at 99.8% of the budget, held under
-    it. 5% is many times that spread and keeps the choice near the largest batch that holds. A CUDA run's reserved
-    memory depends more on the allocator's history (the training loop's, not the probe's), so it keeps 10%.
+    On CPU with the steady heap (which the probe's trials set wherever it can act) the measured peak is what the cap
+    sees, the same in every process: resnet18 at 112 px under 1 GiB peaked within 0.1 MB across fresh processes, and
+    batch 173, sampled at 99.8% of the budget, held under it. 5% is many times that spread and keeps the choice near
+    the largest batch that holds. A CUDA run's reserved memory depends more on the allocator's history (the training
+    loop's, not the probe's), so it keeps 10%.
     """
-    return 0.05 if torch.device(device).type == 'cpu' and _STEADY[0] else 0.1  # no CUDA call: plans need no GPU
+    steady = _STEADY[0] or _glibc() is not None
+    return 0.05 if torch.device(device).type == 'cpu' and steady else 0.1  # no CUDA call: plans need no GPU
 
 
 def free_memory(device: DeviceLike) -> None:

@@ -2,10 +2,12 @@
 
 `is_oom` looks at the exception type first (`torch.OutOfMemoryError`, Python's `MemoryError`), then at the messages
 the allocators of each backend raise. `should_retry` is the policy: retry with a smaller batch only on an OOM, and
-never on errors that leave the device unusable or that a smaller batch cannot fix.
+never on errors that leave the device unusable or that a smaller batch cannot fix. They are the one home of the rule
+for the probe's trials, train.py's `--oom-recover` and validate.py's `--retry`: none of them decides for itself
+whether a CPU cap is in force, `is_oom` reads it from the process (`cpu_data_capped`).
 """
 import resource
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -26,9 +28,11 @@ OOM_MESSAGES = (
     'unable to find an engine',
 )
 
-# oneDNN (CPU convolutions) reports a failed allocation as a failure to create its primitive. Under a CPU data cap
-# that is the cap speaking; without one it may be anything, so it counts as an OOM only while capped.
-CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive',)
+# oneDNN (CPU convolutions, matmuls) reports a failed allocation as a failure to create its primitive (its JIT code
+# and buffers) or to execute it (its scratchpad), with no word of memory. Under a CPU data cap that is the cap
+# speaking; without one it may be anything (a configuration oneDNN does not implement), so these count as an OOM only
+# while capped.
+CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive', 'could not execute a primitive')
 
 # Lower-cased fragments of errors that must never be retried, even when they mention memory.
 FATAL_MESSAGES = (
@@ -61,14 +65,15 @@ def cpu_data_capped() -> bool:
         return False
 
 
-def is_oom(exc: BaseException, cpu_capped: bool = False) -> bool:
+def is_oom(exc: BaseException, cpu_capped: Optional[bool] = None) -> bool:
     """Return True when `exc` (or an exception it wraps) is an out-of-memory failure of any backend.
 
     Args:
         exc: The failure.
-        cpu_capped: A CPU memory cap is in force, so oneDNN's primitive-creation failures count as OOM too.
+        cpu_capped: Whether a CPU memory cap is in force, so oneDNN's primitive failures count as OOM too. None (what
+            every caller in timm_ext passes): this process's own data-segment limit says (`cpu_data_capped`), as it
+            stood when the failure is judged; the probe judges inside its cap, the uncapped check outside it.
     """
-    oom_messages = OOM_MESSAGES + (CAPPED_CPU_OOM_MESSAGES if cpu_capped else ())
     for err in _exception_chain(exc):
         if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
             return True
@@ -76,12 +81,15 @@ def is_oom(exc: BaseException, cpu_capped: bool = False) -> bool:
             msg = _message(err)
             if any(fatal in msg for fatal in FATAL_MESSAGES):
                 return False
-            if any(oom in msg for oom in oom_messages):
+            if any(oom in msg for oom in OOM_MESSAGES):
+                return True
+            onednn = any(m in msg for m in CAPPED_CPU_OOM_MESSAGES)
+            if onednn and (cpu_data_capped() if cpu_capped is None else cpu_capped):
                 return True
     return False
 
 
-def should_retry(exc: BaseException, cpu_capped: bool = False) -> bool:
+def should_retry(exc: BaseException, cpu_capped: Optional[bool] = None) -> bool:
     """Return True when running again with a smaller batch can fix `exc`: real OOMs only (see `is_oom`).
 
     Illegal memory accesses, device-side asserts, channels_last rank errors, shape and dtype errors are never

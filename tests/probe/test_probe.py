@@ -503,3 +503,36 @@ def test_a_prior_aims_the_first_trial_and_one_peak_calibrates_it():
     assert len(trials) <= 3
     best = max(t.batch_size for t in trials if t.accepted)
     assert best == (limit - 100) // 110  # 7: the largest within the limit by the true line
+
+
+def _counted(prior):
+    calls = []
+
+    def ask():
+        calls.append(1)
+        return prior
+    return ask, calls
+
+
+def test_a_prior_that_cannot_change_the_first_trial_is_never_asked_for():
+    # an asked size tried first (a recipe's batch checked once): it fits, one trial decides, the estimate is not traced
+    ask, calls = _counted((100.0, 100.0))
+    run, accept = _linear_trial(100, 100, 10 ** 6), (lambda t: t.peak_bytes <= 900)
+    trials = search_batch_size(run, 8, 8, MultipleGrid(1), accept=accept, peak_limit=900, prior=ask)
+    assert [t.batch_size for t in trials] == [8] and calls == []
+
+
+def test_a_lazy_prior_aims_the_search_once_the_asked_size_failed():
+    ask, calls = _counted((100.0, 100.0))
+    run, accept = _linear_trial(100, 100, 1000), (lambda t: t.peak_bytes <= 900)
+    trials = search_batch_size(run, 64, 64, MultipleGrid(1), accept=accept, peak_limit=900, prior=ask)
+    assert trials[0].batch_size == 64 and not trials[0].accepted
+    assert calls == [1] and trials[1].batch_size == 8, 'the second trial goes where the prior puts the limit'
+    assert max(t.batch_size for t in trials if t.accepted) == 8
+
+
+def test_a_lazy_prior_is_asked_before_a_search_that_starts_below_its_limit():
+    ask, calls = _counted((100.0, 100.0))
+    run, accept = _linear_trial(100, 100, 1000), (lambda t: t.peak_bytes <= 900)
+    trials = search_batch_size(run, 2, 64, MultipleGrid(1), accept=accept, peak_limit=900, prior=ask)
+    assert calls == [1] and trials[0].batch_size == 8  # aimed from the start, as a tuple prior would be

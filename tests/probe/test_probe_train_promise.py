@@ -40,7 +40,7 @@ def test_the_chosen_micro_batch_trains_two_epochs_with_eval_and_checkpoints_unde
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     batch = yaml.safe_load(config.read_text())['batch_size']
     assert batch < 120, 'the cap, not the train split, must bind'
-    probe_peak = next(line for line in tuned.stdout.splitlines() if line.startswith('Budget '))
+    probe_peak = next(line for line in tuned.stdout.splitlines() if line.startswith('Select '))
     peak_file = tmp_path / 'peak'
     # the harness sets the cap when the first epoch starts, as the probe sets it once the model is built
     trained = run_script('tests/train/oom_cap_train.py', '-c', config, '--output', tmp_path / 'runs', '--experiment',

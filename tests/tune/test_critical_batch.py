@@ -44,7 +44,7 @@ def test_tune_batch_select_critical_reports_the_estimate_and_the_candidates(tmp_
     out = result.stdout
     assert re.search(r'Noise scale: (B_noise ≈ \d+ samples|no positive B_noise)', out), out[-3000:]
     assert 'Global batches considered' in out and re.search(r'^\s+8\s+8 x 1\s', out, re.M), out[-3000:]
-    chosen = re.search(r'global batch (\d+) = (\d+) x 1 x (\d+)\.', out)
+    chosen = re.search(r'global batch (\d+) = (\d+) x 1 x (\d+),', out)
     global_batch, micro, accum = map(int, chosen.groups())
     values = yaml.safe_load(config.read_text())
     assert (values['batch_size'], values['grad_accum_steps']) == (micro, accum)

@@ -252,7 +252,8 @@ def test_lr_follows_timms_rule_for_the_average_batch(scheduled):
     batches = yaml.safe_load(config.read_text())['train_batch_sizes']
     expected = 0.1 * (sum(batches) / 3) / 256  # sgd: lr_base 0.1 x global / 256, the sizes equally likely
     header = config.read_text()
-    written = float(re.search(r'^# LR ([0-9.e-]+) \(linear\)', header, re.M).group(1))
+    written = float(re.search(r'^# LR: Learning rate ([0-9.e-]+) = lr_base 0.1 scaled by linear rule', header,
+                              re.M).group(1))
     assert written == pytest.approx(expected, rel=1e-5)
     trained = capped_train(tmp_path, config, 'lr')
     assert trained.returncode == 0, trained.stderr[-3000:]

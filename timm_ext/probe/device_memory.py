@@ -34,7 +34,8 @@ import torch
 from ..memory import BudgetError, MemoryBudget
 
 __all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'card_memory', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
-           'CUDA_CONTEXT_BYTES', 'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES', 'CARD_REPORTED_SHARE']
+           'CUDA_CONTEXT_BYTES', 'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES', 'CARD_REPORTED_SHARE',
+           'MODELLED_DEVICE_TYPES']
 
 MiB = 1 << 20
 CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyond its tensors, doubled
@@ -51,6 +52,8 @@ CUDA_SEGMENT_SLACK = {'update': 0.02, 'forward': 0.20}
 # 6% more, which a nominal size cannot tell: give such a card's budget as the size CUDA shows
 CARD_REPORTED_SHARE = 0.985
 NOMINAL_CARD_GB = (4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 180, 192, 288)
+
+MODELLED_DEVICE_TYPES = ('cpu', 'cuda')  # the device types `device_model` has a model for
 
 # conv2d: under inference_mode it reaches the dispatch modes undecomposed
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
@@ -206,8 +209,9 @@ def device_model(device_type: str, onednn: bool = False, forward_only: bool = Fa
                          f'input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read as '
                          f'{CARD_REPORTED_SHARE:.1%} of it, CUDA autocast\'s float32 casts, kernel launch limits; set '
                          f'against timm\'s published GPU tables, not yet measured on a GPU'))
-    if device_type != 'cpu':
-        raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers cpu and cuda')
+    if device_type not in MODELLED_DEVICE_TYPES:
+        raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers '
+                         f'{" and ".join(MODELLED_DEVICE_TYPES)}')
     runtime = {'runtime': CPU_RUNTIME_BYTES}
     common = (f'runtime {CPU_RUNTIME_BYTES // MiB} MiB (measured with the steady heap); weights built before the '
               f'budget counts')

@@ -18,6 +18,7 @@ left out of the trace (its overflow check reads a value; it holds two scalars an
 import argparse
 import contextlib
 import dataclasses
+import resource
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -191,9 +192,16 @@ def in_child(fn: Callable[[], dict]) -> Optional[dict]:
     """Run `fn` in a forked child and return its JSON-able answer (None when the child died without one).
 
     Why: a fake-tensor backward starts autograd's threads, and a process that has run them cannot fork the probe's CPU
-    trials any more (torch refuses autograd in such a child), so every trace runs in a child of its own.
+    trials any more (torch refuses autograd in such a child), so every trace runs in a child of its own. The probe
+    asks for its estimate only once an asked size failed (`timm_ext.probe.search.search_batch_size`), under its CPU
+    cap: the child lifts the soft limit to the hard one, as the trace's weights and imports are no trial's memory.
     """
-    return call_forked(fn, threads=2)[0]  # the child computes with one thread, as the probe's trials do
+    def uncapped() -> dict:
+        hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+        return fn()
+
+    return call_forked(uncapped, threads=2)[0]  # the child computes with one thread, as the probe's trials do
 
 
 def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,

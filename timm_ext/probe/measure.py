@@ -55,7 +55,7 @@ def measured_trial(
         meter: Peak-memory meter (`None`: a meter on `device` with no baseline).
         warmup_steps: Untimed steps first (e.g. one training step that allocates the optimizer state).
         timed_steps: Steps timed for ms/step and samples/s.
-        capped: A CPU memory cap is in force: oneDNN primitive-creation failures count as OOM.
+        capped: A memory cap is in force: a forked trial killed by a signal counts as OOM (`run_forked`).
         before: Called before each trial (reset gradients, optimizer state, scaler).
         isolate: CPU only: run each trial in a forked copy of this process (see `run_forked`).
         warmup: Runs a warm-up step instead of `step` (e.g. an update and then an eval pass); default `step`.
@@ -92,7 +92,7 @@ def measured_trial(
                 seconds = min(seconds, time.perf_counter() - start)
             peak = meter.peak()
         except Exception as e:  # every failure is reported as a trial; only OOMs let the search go on
-            oom = is_oom(e, cpu_capped=capped and device.type == 'cpu')
+            oom = is_oom(e)  # under the cap oneDNN's primitive failures are OOMs too (the process's limit says)
             trial = Trial(batch_size, OOM if oom else ERROR, error=_one_line(e))
             traceback.clear_frames(e.__traceback__)  # the frames hold the failed step's activations
         else:

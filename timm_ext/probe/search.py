@@ -8,7 +8,7 @@ without a limit it grows x2, then bisects. It knows nothing of models, so any tr
 `start == max_batch` it probes down from an asked size. What to choose from its table is `timm_ext.probe.selection`'s.
 """
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 from .grids import BatchGrid, DecayGrid
 from .peak_model import PeakModel
@@ -25,7 +25,7 @@ def search_batch_size(
         accept: Optional[Callable[[Trial], bool]] = None,
         on_trial: Optional[Callable[[Trial], None]] = None,
         peak_limit: Optional[float] = None,
-        prior: Optional[Tuple[float, float]] = None,
+        prior: Union[None, Tuple[float, float], Callable[[], Optional[Tuple[float, float]]]] = None,
 ) -> List[Trial]:
     """Find the largest accepted size on `grid`: aim at `peak_limit` when given, else grow x2 then bisect.
 
@@ -48,7 +48,8 @@ def search_batch_size(
         peak_limit: The peak the chosen size may reach, in the trials' units (`HeadroomAccept.limit`); None: no aim.
         prior: A predicted peak line (bytes at batch 0, bytes per sample) in the trials' units, e.g. the memory
             estimate's (`timm_ext.probe.estimate`): the first trial aims by it, and one measured peak calibrates it
-            (scaled to the measurement) until a second size is measured.
+            (scaled to the measurement) until a second size is measured. A callable is asked only when it can change
+            a trial: not before an asked size that is tried first (`start >= max_batch`), only once that failed.
 
     Returns:
         Every trial in the order run. The search stops at the first trial with status 'error' (it is the last
@@ -65,7 +66,9 @@ def search_batch_size(
     size: Optional[int] = grid.snap(start)
     if bounds.upper is not None and start >= bounds.upper:
         size = bounds.upper  # a probe down from the asked size tries that size first
-    if prior is not None and peak_limit is not None:
+    if callable(prior) and peak_limit is not None and not (bounds.upper is not None and start >= bounds.upper):
+        prior = prior()  # it aims the first trial
+    if prior is not None and not callable(prior) and peak_limit is not None:
         aim = PeakModel.from_prior(prior, peak_limit).aim(grid)
         if aim is not None:
             size = aim if bounds.upper is None else min(aim, bounds.upper)
@@ -76,12 +79,17 @@ def search_batch_size(
         if trial.status == ERROR:
             return trials
         bounds.update(trial)
+        if callable(prior) and peak_limit is not None and not trial.accepted:
+            prior = prior()  # the asked size did not decide: the rest of the search aims by the prior
         # an aim that left more than half the interval: the model misleads here, so the next step bisects
         bisect = aimed and width is not None and bounds.width() > width // 2
         # a fit the model did not expect (it put the limit at the size before): the next such step is twice as long
         expected = model.aim(grid) if aimed and model is not None else None
         surprise = bounds.fit - fit_before if expected is not None and expected <= fit_before else 0
-        model = PeakModel.fit(trials, peak_limit, prior)
+        line = None if callable(prior) else prior
+        # before any measured peak the prior alone aims (it aimed the first trial, or came once that failed)
+        model = PeakModel.fit(trials, peak_limit, line) or (
+            PeakModel.from_prior(line, peak_limit) if line is not None and peak_limit is not None else None)
         size, aimed = _next_size(bounds, model, bisect, surprise, SETTLE_TOL if peak_limit is not None else 0.0)
     return trials
 

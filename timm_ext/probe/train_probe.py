@@ -58,7 +58,7 @@ def probe_train_batch(
         timed_steps: int = 1,
         on_trial: Optional[Callable[[Trial], None]] = None,
         retime_rounds: int = 2,
-        prior: Optional[Tuple[float, float]] = None,
+        prior: Union[None, Tuple[float, float], Callable[[], Optional[Tuple[float, float]]]] = None,
 ) -> ProbeOutcome:
     """Probe the largest training batch under a memory cap and choose one.
 
@@ -81,7 +81,8 @@ def probe_train_batch(
         retime_rounds: Throughput choice: interleaved rounds that time the close sizes, and the grid sizes the
             search skipped between them, again (`retime_trials`).
         prior: The memory estimate's peak line in this budget's units, to aim the first trial and calibrate
-            (`search_batch_size`).
+            (`search_batch_size`); or a callable giving it, asked only where it can change a trial. A callable asked
+            under the CPU cap traces in a child of its own (`timm_ext.probe.estimate.in_child`), which lifts the cap.
 
     Raises:
         BudgetError: The budget is larger than the device.

@@ -42,6 +42,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from ..cuda_backends import CUDA_GRAPH_MODES
+from ..memory import steady_cpu_heap
 from ..train.setup import SetupError, with_values
 from ..train.stack import TrainingStack, build_training_stack
 from .trial_steps import trial_eval_forward, trial_eval_step, trial_loop, trial_train_step
@@ -187,6 +188,8 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
 
     def reset() -> None:
+        if device.type == 'cpu':  # in the trial's own child (CPU trials are forked): its peak as a capped run's
+            steady_cpu_heap()
         stack.optimizer.zero_grad(set_to_none=True)
         stack.optimizer.state.clear()
         loop.grad_scaler = probe_grad_scaler(device) if stack.amp.use_grad_scaler else None

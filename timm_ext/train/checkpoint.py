@@ -77,17 +77,30 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state['cuda'])
 
 
+def _load_failure(e: Exception) -> str:
+    """Why torch.load failed, in a few words: its first line, or for the weights-only unpickler (random bytes, a
+    foreign pickle) what it met, without its advice to load with weights_only=False."""
+    text = str(e).strip()
+    if 'WeightsUnpickler error:' in text:
+        detail = text.split('WeightsUnpickler error:', 1)[1].split('Check the documentation', 1)[0]
+        return f'unpickling failed: {" ".join(detail.split())}'
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_training_checkpoint(path: os.PathLike) -> Dict[str, Any]:
     """Load a checkpoint for resuming, weights only, raising :class:`CheckpointError` with a one-line reason."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f'--resume {path} is a folder; pass the checkpoint file in it (last.pth.tar, say)')
     if not path.is_file():
-        raise CheckpointError(f'--resume file not found: {path}')
+        raise CheckpointError(f'--resume file not found: {path}; pass the path of a checkpoint train.py wrote')
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             checkpoint = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch.load fails on a torn or foreign file with many exception types
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f'--resume file {path} is not a readable checkpoint ({reason[:120]})') from None
+        reason = _load_failure(e)
+        raise CheckpointError(f'--resume file {path} is not a readable checkpoint ({reason[:120]}); pass a '
+                              f'checkpoint train.py wrote') from None
     if not isinstance(checkpoint, dict) or not ({'state_dict', 'model'} & checkpoint.keys()):
         raise CheckpointError(f'--resume file {path} is not a training checkpoint (no state_dict)')
     return checkpoint

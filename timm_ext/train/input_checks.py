@@ -12,7 +12,7 @@ from .checkpoint import CheckpointError, load_training_checkpoint
 from .noise_monitor import noise_scale_problem
 from .oom_recovery import sync_bn_problem
 
-__all__ = ['batch_ramp_problem', 'extension_problem', 'loss_weighting', 'train_input_problem']
+__all__ = ['batch_ramp_problem', 'extension_problem', 'loss_weighting', 'resume_problem', 'train_input_problem']
 
 
 def loss_weighting(args: argparse.Namespace) -> str:
@@ -56,7 +56,11 @@ def batch_ramp_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _resume_problem(args: argparse.Namespace) -> Optional[str]:
+def resume_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why --resume cannot be resumed from (missing, a folder, unreadable, another model's), or None when unset or
+    usable: the one check of the file, for train.py, tune_batch.py's probe and its --estimate alike."""
+    if not args.resume:
+        return None
     try:
         checkpoint = load_training_checkpoint(args.resume)
     except CheckpointError as e:
@@ -86,6 +90,4 @@ def train_input_problem(args: argparse.Namespace) -> Optional[str]:
             problem = split_problem(flag, root, split, hint)
             if problem:
                 return problem
-    if args.resume:
-        return _resume_problem(args)
-    return None
+    return resume_problem(args)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TimmExtError
-from ..oom import cpu_data_capped, should_retry
+from ..oom import should_retry
 
 __all__ = ['is_recoverable_oom', 'sync_bn_problem', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory',
            'RankFailed', 'agree_status', 'GradientAllReduce', 'gradient_buckets', 'split_batch', 'OK', 'OOM',
@@ -40,11 +40,10 @@ OK, OOM, FAILED = 0, 1, 2
 ALLREDUCE_BUCKET_BYTES = 25 * 2 ** 20
 
 
-def is_recoverable_oom(exc: BaseException, device: torch.device) -> bool:
-    """An OOM that a smaller micro-batch can fix: `timm_ext.oom.should_retry`, plus oneDNN's primitive-creation
-    failure on a CPU whose data segment is capped (RLIMIT_DATA), which is how oneDNN reports an allocation failure.
-    """
-    return should_retry(exc, cpu_capped=device.type == 'cpu' and cpu_data_capped())
+def is_recoverable_oom(exc: BaseException) -> bool:
+    """An OOM that a smaller micro-batch can fix: `timm_ext.oom.should_retry`, the rule the probe and validate.py's
+    --retry read too (oneDNN's primitive failures count under a CPU data cap)."""
+    return should_retry(exc)
 
 
 def sync_bn_problem(oom_recover: bool, sync_bn: bool, world_size: int) -> Optional[str]:

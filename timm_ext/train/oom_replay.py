@@ -114,7 +114,7 @@ class WindowAttempt(PlainWindow):
         try:
             return step(input, target, weight, sync)
         except Exception as e:
-            if not is_recoverable_oom(e, self.device):
+            if not is_recoverable_oom(e):
                 if not self.distributed:
                     raise
                 self.failure = PieceFailure(FAILED, '', e)
@@ -196,7 +196,7 @@ class WindowReplay:
         try:
             update()
         except Exception as e:
-            if not is_recoverable_oom(e, self.device):
+            if not is_recoverable_oom(e):
                 raise
             traceback.clear_frames(e.__traceback__)
             raise OomRecoveryError(

@@ -511,10 +511,14 @@ def build_train_loss(args: argparse.Namespace) -> nn.Module:
 
 def build_task(
         args: argparse.Namespace, model: nn.Module, criterion: nn.Module, device: torch.device,
-        model_dtype: Optional[torch.dtype],
+        model_dtype: Optional[torch.dtype], verbose: bool = False,
 ) -> nn.Module:
-    """A timm.task training task: classification, or logit / feature / token distillation from --kd-model-name."""
-    common = dict(criterion=criterion, device=device, dtype=model_dtype, verbose=args.rank == 0)
+    """A timm.task training task: classification, or logit / feature / token distillation from --kd-model-name.
+
+    `verbose` lets timm log the task's criterion: train.py's rank 0 only, not each build of the probe and the
+    estimate (tune_batch.py would print it once per build).
+    """
+    common = dict(criterion=criterion, device=device, dtype=model_dtype, verbose=verbose)
     if args.kd_model_name is None:
         return ClassificationTask(model=model, **common)
     weights = dict(distill_loss_weight=args.distill_loss_weight, task_loss_weight=args.task_loss_weight)

@@ -149,7 +149,7 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
             if lr_choice.hint:
                 _logger.info(lr_choice.hint)
 
-    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype)
+    task = build_task(args, model, build_train_loss(args).to(device=device), device, model_dtype, verbose)
     optimizer = build_optimizer(args, task, lr)
     if verbose:
         _logger.info(f'Created {type(optimizer).__name__} ({args.opt}) optimizer, lr {lr:g}, '

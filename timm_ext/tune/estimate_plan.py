@@ -15,17 +15,20 @@ from typing import List, Optional, Set, Tuple
 
 import torch
 
+from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
-from ..probe.device_memory import device_model, onednn_runs
+from ..probe.device_memory import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..probe.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
 from ..probe.train_probe import nothing_fits_advice
+from ..train.input_checks import resume_problem
+from ..train.setup import SetupError
 from .plan import RunPlan, plan_run
 from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 
-__all__ = ['EstimatedPlan', 'EstimatedRun', 'parse_budgets', 'plan_from_estimate', 'estimate_report',
-           'plan_with_estimate']
+__all__ = ['EstimatedPlan', 'EstimatedRun', 'check_estimate_inputs', 'parse_budgets', 'plan_from_estimate',
+           'estimate_report', 'plan_with_estimate']
 
 TABLE_SIZES = 5  # rows of the per-batch table, up to the first budget's micro-batch
 EVAL_TRACE_BATCHES = (32, 64, 128)  # a forward holds a few activations a sample: wider sizes, the same fit
@@ -49,6 +52,25 @@ class EstimatedPlan:
     micro_batch: int
     plan: Optional[RunPlan]
     eval_batch: Optional[int] = None
+
+
+def check_estimate_inputs(args: argparse.Namespace) -> None:
+    """Refuse what --estimate can tell is wrong here, before it traces anything: the device name itself is the
+    parser's (`timm_ext.arg_checks.DeviceName`); a device type no memory model covers; a --resume file that cannot be
+    resumed from (`timm_ext.train.input_checks.resume_problem`, as the probe checks it). The data and the device
+    itself may be on the machine the plan is for, so neither is looked for.
+
+    Raises:
+        UsageError: The device type has no memory model.
+        SetupError: The --resume file is missing, a folder, unreadable or another model's.
+    """
+    device_type = args.device.split(':', 1)[0]
+    if device_type not in MODELLED_DEVICE_TYPES:
+        raise UsageError(f'--device {args.device}: --estimate models {" and ".join(MODELLED_DEVICE_TYPES)} memory '
+                         f'only; pass --device cuda or cpu, or drop --estimate to probe on the {device_type} device')
+    problem = resume_problem(args)
+    if problem:
+        raise SetupError(problem)
 
 
 def parse_budgets(text: str) -> List[Tuple[str, MemoryBudget]]:
@@ -180,7 +202,6 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     if chosen is None:
         print('\n'.join(lines))
         raise NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {nothing_fits_advice(args)}')
-    lines += ['', f'Plan for {plans[0].budget_text}: global batch {chosen.global_batch} = {chosen.micro_batch} x '
-                  f'{world_size} rank(s) x {chosen.accum_steps}. {chosen.reason}',
-              f'LR {chosen.lr:g} ({chosen.lr_rule or "given"}): {chosen.lr_reason}']
+    lines += ['', f'Plan for {plans[0].budget_text}, {world_size} rank(s): {chosen.split_line()}',
+              f'LR: {chosen.lr_reason}']
     return EstimatedRun(estimate, plans, lines)

@@ -46,6 +46,11 @@ class RunPlan:
     reason: str
     lr_reason: str
 
+    def split_line(self) -> str:
+        """The split and why, each said once: 'global batch 96 = 16 x 1 x 6, exactly (...)'."""
+        return (f'global batch {self.global_batch} = {self.micro_batch} x {self.world_size} x {self.accum_steps}, '
+                f'{self.reason}')
+
 
 def plan_run(args: argparse.Namespace, max_micro_batch: int, world_size: int,
              target_global: Optional[int] = None) -> RunPlan:

@@ -71,10 +71,12 @@ def tuned_config(args: argparse.Namespace, parser: argparse.ArgumentParser, plan
 
 
 def write_tuned_config(config: TunedConfig, report: Sequence[str], notes: Sequence[str] = (),
-                       summary: Sequence[str] = ()) -> None:
+                       summary: Sequence[str] = (), shown: Optional[Sequence[str]] = None) -> None:
     """Print the report, write the config (crash-safe, its header the report and the train command), then print
-    `notes` and the closing block: `summary`, where the config is and the command that trains from it."""
-    print('\n'.join(report))
+    `notes` and the closing block: `summary`, where the config is and the command that trains from it. `shown`: the
+    report as the terminal shows it, when that leaves out what it printed already (`timm_ext.tune.tuner.shown_report`).
+    """
+    print('\n'.join(report if shown is None else shown))
     os.makedirs(os.path.dirname(os.path.abspath(config.path)), exist_ok=True)
     atomic_text(tuned_config_text(config.values, [*report, '', TRAIN_WITH + config.command_line]), config.path)
     closing = ['', *summary, f'Config: {config.path}', f'Train command: {config.command_line}']

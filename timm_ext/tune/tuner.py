@@ -12,8 +12,9 @@ import dataclasses
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,10 @@ from .img_sizes import (
 from .plan import RunPlan, plan_global_batch, plan_run
 
 __all__ = [
-    'ProbeRequest', 'TunedRun', 'default_config_path', 'probe_or_reuse', 'recipe_global_batch', 'choose_by_time',
+    'ProbeRequest', 'Spent', 'TunedRun', 'lazy_estimate', 'default_config_path', 'probe_or_reuse',
+    'recipe_global_batch', 'choose_by_time',
     'time_bigger_batches', 'plan_tuned_run', 'ramp_micro_limit', 'tune_schedule', 'plan_eval_batch', 'worth_a_plot',
-    'report_lines', 'summary_lines',
+    'report_lines', 'shown_report', 'summary_lines', 'EVAL_PROBE_MODES',
 ]
 
 TIMED_STEPS = 3  # timed updates per trial after the warm-up update; the fastest counts
@@ -54,12 +56,54 @@ RETIME_ROUNDS = 2  # --select throughput: interleaved rounds re-timing the close
 SEARCH_TRIALS = 6  # trials judging bigger batches may take (doublings up to B_noise), for whether judging pays
 EVAL_MAX_FACTOR = 8  # the eval probe tries up to this many training micro-batches (x2 steps: about 3 trials)
 EVAL_PROBE_TRIALS = 3  # what the eval probe is budgeted at, for judging whether it pays
+EVAL_PROBE_MODES = ('auto', 'on', 'off')  # --eval-probe: judged by its cost, always, never
+Prior = Tuple[float, float]  # the estimate's peak line: bytes at batch 0, bytes per sample
 FORWARD_SHARE = 1 / 3  # an eval forward takes about this share of a training step's time (forward + backward)
 
 
 def default_config_path(args: argparse.Namespace) -> str:
     size = args.img_size or (args.input_size[-1] if args.input_size else 'default')
     return os.path.join('output', 'tune', f'{safe_model_name(args.model)}-{size}.yaml')
+
+
+@dataclass
+class Spent:
+    """Wall seconds tune_batch.py spent deciding, by what for: 'probe' (trials of the micro-batch and eval batch),
+    'estimate' (the memory estimate's trace), 'judging' (the noise scale and the trials of bigger global batches)."""
+    seconds: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(('probe', 'estimate', 'judging'), 0.0))
+    phase: str = 'probe'  # what a probe run now counts as
+
+    @contextmanager
+    def judging(self) -> Iterator[None]:
+        """Count the wall time of the block, its probes included, as judging."""
+        started, before = time.perf_counter(), dict(self.seconds)
+        self.phase = 'judging'
+        try:
+            yield
+        finally:
+            self.phase = 'probe'
+            # what the block's probes counted is in the block's own time: count the block once
+            self.seconds['judging'] = before['judging'] + time.perf_counter() - started - (
+                self.seconds['estimate'] - before['estimate'])
+
+    def line(self) -> str:
+        """One line: what deciding cost before training, each part or 'none'."""
+        parts = [f'{what} {s:.1f} s' if s > 0 else f'{what} none' for what, s in self.seconds.items()]
+        return f'Spent before training: {", ".join(parts)}.'
+
+
+def lazy_estimate(args: argparse.Namespace, device: torch.device, spent: Spent) -> Callable[[], Optional[Prior]]:
+    """The probe's prior, traced on the first call only (`seed_estimate`): a probe whose first trial decides (the
+    recipe's batch checked once) never asks for it."""
+    box: List[Optional[Prior]] = []
+
+    def prior() -> Optional[Prior]:
+        if not box:
+            started = time.perf_counter()
+            box.append(seed_estimate(args, device))
+            spent.seconds['estimate'] += time.perf_counter() - started
+        return box[0]
+    return prior
 
 
 @dataclass
@@ -75,7 +119,9 @@ class ProbeRequest:
     trials_path: str
     phase: str = 'train'  # or 'eval': the evaluation forward (`TrainTrialSetup.eval_trials`)
     seconds_per_trial: Optional[float] = None  # wall time of one trial in the last probe run here (not cached)
-    prior: Optional[Tuple[float, float]] = None  # the memory estimate's peak line for training trials at this input
+    prior: Optional[Callable[[], Optional[Prior]]] = None  # the estimate's peak line at this input (`lazy_estimate`)
+    told: Set[str] = field(default_factory=set)  # header facts a probe of this run printed (shared by its copies)
+    spent: Spent = field(default_factory=Spent)  # shared by its copies
 
     def cache_key(self, select: str, max_batch: int, start: int) -> Dict[str, Any]:
         """The probe cache's key for this request probed with these settings."""
@@ -93,10 +139,12 @@ class ProbeRequest:
         return not self.args.no_cache and ProbeCache().get(self.cache_key(select, max_batch, start)) is not None
 
     def run(self, select: str, max_batch: int, start: Optional[int] = None) -> ProbeOutcome:
-        started = time.perf_counter()
+        started, estimate_s = time.perf_counter(), self.spent.seconds['estimate']
         outcome = probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
+        elapsed = time.perf_counter() - started - (self.spent.seconds['estimate'] - estimate_s)  # a trace it asked for
+        self.spent.seconds[self.spent.phase] += elapsed
         if not outcome.cached:
-            self.seconds_per_trial = (time.perf_counter() - started) / max(1, len(outcome.trials))
+            self.seconds_per_trial = elapsed / max(1, len(outcome.trials))
         return outcome
 
 
@@ -128,9 +176,7 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
             raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
         return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), cached=True)
     if primary:
-        sizes = f'size {start}' if start >= max_batch else f'sizes {start}..{max_batch}'
-        print(f'Probe: {setup.describe}; budget {format_bytes(budget_bytes)} ({request.budget}) on '
-              f'{device_name(device)}, headroom {args.mem_headroom:.0%}, {sizes}.')
+        print(probe_header(request, start, max_batch))
         os.makedirs(os.path.dirname(os.path.abspath(request.trials_path)), exist_ok=True)
     table = []
 
@@ -151,8 +197,22 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
         cache_file = cache.put(key, outcome.trials) if not args.no_cache else None
         atomic_text(trials_to_json(outcome.trials, request=key, complete=True), request.trials_path)
         if cache_file:
-            print(f'Probe: {len(outcome.trials)} trials; cached in {cache_file}; table in {request.trials_path}.')
+            print(f'Probe: cached in {cache_file}; table in {request.trials_path}.')
     return outcome
+
+
+def probe_header(request: ProbeRequest, start: int, max_batch: int) -> str:
+    """The line a probe starts with: what it runs and within which budget, less what an earlier probe of the same run
+    said already (an eval probe names only its forward pass), then the sizes it may try."""
+    budget = format_bytes(request.budget_bytes)
+    if request.budget.fraction is not None:
+        budget += f' ({request.budget})'
+    facts = [*request.setup.describe.split('; '),
+             f'budget {budget} on {device_name(request.device)}, headroom {request.args.mem_headroom:.0%}']
+    new = [fact for fact in facts if fact not in request.told]
+    request.told.update(facts)
+    sizes = f'size {start}' if start >= max_batch else f'sizes {start}..{max_batch}'
+    return f'Probe: {"; ".join(new + [sizes])}.'
 
 
 @dataclass
@@ -170,6 +230,7 @@ class TunedRun:
     sizes: List[SizeResult] = field(default_factory=list)  # a --train-img-sizes schedule's probes, one per size
     size_batches: Optional[List[int]] = None  # the train_batch_sizes the run trains at
     ramp_max_micro: Optional[int] = None  # --batch-ramp: the largest micro-batch that fits, for the ramp to grow to
+    spent: Optional[Spent] = None  # what deciding cost (`Spent.line`)
 
 
 def recipe_global_batch(args: argparse.Namespace, given: Set[str], world_size: int) -> Tuple[int, str]:
@@ -234,8 +295,9 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     if args.rank == 0:
         print(f'Noise scale: {ESTIMATE_WINDOWS} windows of {ESTIMATE_ACCUM} x {estimate_micro} on the real data.',
               flush=True)
-    noise = measure_noise_scale(args, request.device, estimate_micro)
-    searched, speeds = time_bigger_batches(request, outcome, plan.micro_batch, speed, max_batch, noise)
+    with request.spent.judging():
+        noise = measure_noise_scale(args, request.device, estimate_micro)
+        searched, speeds = time_bigger_batches(request, outcome, plan.micro_batch, speed, max_batch, noise)
     choice = choose_global_batch((plan.micro_batch, plan.accum_steps), speeds, world_size, train_samples,
                                  args.epochs, noise)
     chosen = choice.chosen
@@ -292,8 +354,10 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
         raise SetupError(f'the training split has fewer samples ({train_samples}) than ranks ({world_size})')
     # one resolution for every probe of the run (and its cache keys), after a first step took what it takes outside
     # the allocator
+    spent = Spent()
     request = ProbeRequest(args, setup, device, budget, budget_after_warmup(setup, budget), grid, world_size,
-                           os.path.splitext(config_path)[0] + '.trials.json', prior=seed_estimate(args, device))
+                           os.path.splitext(config_path)[0] + '.trials.json', prior=lazy_estimate(args, device, spent),
+                           spent=spent)
     del setup  # the request holds it; a schedule's probes release it while they probe the smaller sizes
     recipe_global, set_by = recipe_global_batch(args, given, world_size)
     mode = schedule_mode(args, given)
@@ -329,10 +393,11 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
                                            trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
+    tuned.spent = spent
     return tuned
 
 
-def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Tuple[float, float]]:
+def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Prior]:
     """The memory estimate's peak line (bytes at batch 0, bytes per sample) that aims the probe's first trial, or
     None (and one line why) when the step cannot be traced; rank 0's under DDP, so every rank aims alike."""
     prior, line = None, ''
@@ -342,7 +407,7 @@ def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Tu
             estimate = estimate_memory(args, device.type, onednn)
             prior = estimate.line()
             line = (f'Estimate: peak ~ {format_bytes(prior[0])} + {format_bytes(prior[1])} per sample '
-                    f'({estimate.device.name}, traced in {estimate.seconds:.1f} s): the first trial aims by it.')
+                    f'({estimate.device.name}, traced in {estimate.seconds:.1f} s): the probe aims by it.')
         except (EstimateError, ValueError) as e:
             line = f'Estimate: none ({e}); the probe searches without it.'
         print(line, flush=True)
@@ -423,10 +488,11 @@ def rank0_decides(request: ProbeRequest, decision: bool) -> bool:
 
 def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, epochs: int,
                     seconds_per_trial: Optional[float]) -> Tuple[Optional[int], Optional[ProbeOutcome], List[str]]:
-    """The eval batch for `validation_batch_size`: the largest forward-only batch that fits the budget, probed only
-    when the run's evaluations last long enough for the trials to cost at most MAX_TUNE_SHARE of them (a cached
-    outcome costs nothing). The trial cost is the wall time of the training trials just run, or, when those came from
-    the cache, the measured step time over the trial's steps at the largest eval batch.
+    """The eval batch for `validation_batch_size`: the largest forward-only batch that fits the budget, probed (with
+    --eval-probe auto) only when the run's evaluations last long enough for the trials to cost at most MAX_TUNE_SHARE
+    of them (a cached outcome costs nothing); --eval-probe on / off decide without the prediction. The trial cost is
+    the wall time of the training trials just run, or, when those came from the cache, the measured step time over the
+    trial's steps at the largest eval batch.
 
     Returns:
         (the eval batch, or None to leave train.py's default, the micro-batch; the probe; report lines)
@@ -437,6 +503,9 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
     if limit <= micro:
         return None, None, [f'Eval batch: the validation split ({per_rank} per rank) is one batch of the micro-batch '
                             f'{micro} already; not probed.']
+    if args.eval_probe == 'off':
+        return None, None, [f'Eval batch: not probed (--eval-probe off); train.py evaluates at the micro-batch '
+                            f'{micro}.']
     trial = tuned.outcome.selection.trial
     train_speed = trial.samples_per_s or math.inf
     passes = math.ceil(epochs / args.val_interval)
@@ -444,7 +513,7 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
     start = min(2 * micro, limit)
     per_trial = seconds_per_trial or (TIMED_STEPS + 1) * (trial.ms_per_step or 0.0) / 1000 * EVAL_MAX_FACTOR
     cost_s = 0.0 if request.is_cached('max', limit, start) else EVAL_PROBE_TRIALS * per_trial  # a cached one is free
-    if not rank0_decides(request, tuning_pays(eval_s, cost_s)):
+    if args.eval_probe == 'auto' and not rank0_decides(request, tuning_pays(eval_s, cost_s)):
         return None, None, [f'Eval batch: not probed: {passes} evaluations are predicted at ~{eval_s:.1f} s and '
                             f'{EVAL_PROBE_TRIALS} forward-only trials would cost ~{cost_s:.1f} s, more than '
                             f'{MAX_TUNE_SHARE:.0%} of that; train.py evaluates at the micro-batch {micro}.']
@@ -455,8 +524,8 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
                                f'train.py evaluates at {micro}.']
     return chosen, outcome, [
         f'Eval batch {chosen} = {chosen / micro:.3g} x the micro-batch (forward only, no gradients, optimizer state '
-        f'resident; {len(outcome.trials)} trials, peak {format_bytes(outcome.selection.trial.peak_bytes)}): '
-        f'validation_batch_size in the YAML; evaluation results do not depend on it.']
+        f'resident; peak {format_bytes(outcome.selection.trial.peak_bytes)}): validation_batch_size in the YAML; '
+        f'evaluation results do not depend on it.']
 
 
 def worth_a_plot(tuned: TunedRun) -> bool:
@@ -466,14 +535,21 @@ def worth_a_plot(tuned: TunedRun) -> bool:
     return len(fits) > 1 or (tuned.choice is not None and len(tuned.choice.candidates) > 1)
 
 
+REPORT_HEADER_LINES = 2  # the run probed and its budget: what the live probe's first line already said
+
+
 def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -> List[str]:
-    """The report: probe choice, the global-batch decision, accumulation, LR and why (also the config's header)."""
+    """The report: probe choice, the global-batch decision, accumulation, LR and why (also the config's header).
+
+    Its first `REPORT_HEADER_LINES` lines say what was probed within which budget: the config needs them, the
+    terminal has them already when the probe ran there (`shown_report`).
+    """
     outcome, plan = tuned.outcome, tuned.plan
     sel = outcome.selection
     lines = [
         f'tune_batch.py: {outcome.describe}',
-        f'Budget {format_bytes(outcome.budget)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}, '
-        f'select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
+        f'Budget {format_bytes(outcome.budget)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}.',
+        f'Select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
         f'{format_bytes(sel.trial.peak_bytes)}).',
     ]
     if sel.caveat:
@@ -484,9 +560,8 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     if tuned.size_batches is not None:
         lines.append(f'Accumulation {plan.accum_steps} (--grad-accum-steps as given): {plan.reason}.')
     else:
-        lines.append(f'Accumulation {plan.accum_steps}, {plan.world_size} rank(s): global batch {plan.global_batch} = '
-                     f'{plan.micro_batch} x {plan.world_size} x {plan.accum_steps}. {plan.reason}')
-    lines.append(f'LR {plan.lr:g} ({plan.lr_rule or "given"}): {plan.lr_reason}')
+        lines.append(f'Accumulation {plan.accum_steps}, {plan.world_size} rank(s): {plan.split_line()}')
+    lines.append(f'LR: {plan.lr_reason}')
     lines += tuned.eval_lines
     if tuned.schedule:
         changes = ', '.join(f'{key} {value}' for key, value in sorted(tuned.schedule.items()))
@@ -494,6 +569,12 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     if extras:
         lines.append(f'Extension flags (our train.py only, on the command line): {" ".join(extras)}')
     return lines
+
+
+def shown_report(tuned: TunedRun, report: List[str]) -> List[str]:
+    """The report as the terminal shows it: without the header lines when the probe printed them as it started (a
+    cached probe printed only its trials)."""
+    return report if tuned.outcome.cached else report[REPORT_HEADER_LINES:]
 
 
 def summary_lines(tuned: TunedRun) -> List[str]:
@@ -511,4 +592,6 @@ def summary_lines(tuned: TunedRun) -> List[str]:
         lines.append(f'  Eval batch: train.py\'s own (the micro-batch {plan.micro_batch}, or --validation-batch-size)')
     if tuned.choice is not None:
         lines.append(f'  Predicted time to the recipe\'s result: ~{tuned.choice.chosen.predicted_s:.0f} s of compute')
+    if tuned.spent is not None:
+        lines.append(f'  {tuned.spent.line()}')
     return lines

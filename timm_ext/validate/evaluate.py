@@ -29,7 +29,7 @@ from .batch_estimate import estimate_eval_batch, start_batch
 from .hub import is_download_error, pretrained_unavailable
 from ..memory import free_memory
 from .metrics import precision_recall_f1
-from ..oom import cpu_data_capped, is_oom, should_retry
+from ..oom import is_oom, should_retry
 from .weights import WeightsError, checkpoint_num_classes, load_weights, one_line, read_weights
 
 __all__ = ['ValidationError', 'EvalModel', 'EvalTotals', 'resolve_device', 'build_eval_model', 'build_eval_dataset',
@@ -309,10 +309,6 @@ def _remaining(dataset, done: int):
     return torch.utils.data.Subset(dataset, range(done, len(dataset)))
 
 
-def _cpu_capped(device: torch.device) -> bool:
-    return device.type == 'cpu' and cpu_data_capped()
-
-
 @dataclass
 class EvalPass:
     """What a pass over the split needs besides the model: label restrictions and ReaL labels."""
@@ -353,9 +349,8 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
                      total_batches=_num_samples(loader) if totals.samples == 0 else None)
             return totals, real_labels, ran
         except Exception as e:
-            capped = _cpu_capped(em.device)
-            if not (step_down and should_retry(e, capped)):
-                if is_oom(e, capped):
+            if not (step_down and should_retry(e)):
+                if is_oom(e):
                     raise _oom_error(batch_size, e) from None
                 raise
             total = _num_samples(run.dataset)
