@@ -58,7 +58,7 @@ def test_the_cuda_estimate_of_a_layer_norm_model_counts_the_float32_casts():
 def _estimate(lines, grad_bytes: int = 0) -> MemoryEstimate:
     full = {name: (0.0, 0.0) for name in CATEGORIES}
     full.update(lines)
-    device = dataclasses.replace(device_model('cuda'), fixed={}, segment_slack=0.0, context_bytes=0)
+    device = dataclasses.replace(device_model('cuda'), fixed={}, context_bytes=0)
     return MemoryEstimate(full, {}, device, 'synthetic', 0.0, grad_bytes)
 
 
@@ -102,7 +102,10 @@ def test_an_ema_kept_on_the_host_is_not_counted_on_the_card():
     plain = estimate_memory(run_args('--amp'), 'cuda')
     on_card = estimate_memory(run_args('--amp', '--model-ema'), 'cuda')
     on_host = estimate_memory(run_args('--amp', '--model-ema', '--model-ema-force-cpu'), 'cuda')
-    assert on_card.peak(16) > plain.peak(16)
+    # the EMA's copy is a few hundred KiB: it shows in the weights, and may fit in a segment's free tail
+    assert on_card.categories(16)['weights'] > plain.categories(16)['weights']
+    assert on_card.peak(16) >= plain.peak(16)
+    assert on_host.categories(16)['weights'] == plain.categories(16)['weights']
     assert on_host.peak(16) == pytest.approx(plain.peak(16), rel=1e-6)
     assert on_host.grad_bytes == plain.grad_bytes > 0
 

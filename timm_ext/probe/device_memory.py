@@ -16,15 +16,14 @@ estimate):
   updates near a 1 GiB cap on six families the largest batch comes out at 0.97-0.99x the one that holds
   (`bench/bench_estimate.py`). With oneDNN on, convolutions keep scratchpads and reordered weights per shape instead,
   which are not modelled.
-* CUDA: the caching allocator rounds every request up to 512 bytes and larger ones (over 10 MiB) to 2 MiB, and
-  the free tails of its segments at the peak are `CUDA_SEGMENT_SLACK` of what is live; cuBLAS keeps a workspace
-  (`CUBLAS_WORKSPACE_BYTES`); cuDNN's workspace for a convolution is assumed at most the size of its input. The CUDA
-  context (`CUDA_CONTEXT_BYTES`) lies outside the allocator. A budget given as a card's nominal size ('24GiB', '80GB')
-  is read as that card: CUDA reports `CARD_REPORTED_SHARE` of it as total memory (an RTX 3090 sold as 24 GB shows
-  23.7 GiB), and the context comes off that. AMP is traced under CPU autocast with CUDA autocast's float32 casts
-  replayed (`timm_ext.probe.cuda_autocast`). Under gradient accumulation every micro-batch after the first runs with
-  the gradients resident (`MemoryEstimate.peak(..., accumulating=True)`). The constants were set against timm's
-  published GPU tables (`bench/bench_gpu_tables.py`, docs/gpu.md); a GPU check is `bench/gpu_check.sh`.
+* CUDA: the step's ordered event log is replayed on PyTorch's caching allocator with CUDA's own kernels
+  (`timm_ext.cuda_memory`): the answer is the least memory at which the step runs, segments and cuBLAS / cuDNN
+  workspaces included. The CUDA context (`CUDA_CONTEXT_BYTES`) lies outside the allocator. A budget given as a card's
+  nominal size ('24GiB', '80GB') is read as that card: CUDA reports `CARD_REPORTED_SHARE` of it as total memory (an
+  RTX 3090 sold as 24 GB shows 23.7 GiB), and the context comes off that. AMP is traced under CPU autocast with CUDA
+  autocast's float32 casts replayed (`timm_ext.probe.cuda_autocast`). Under gradient accumulation every micro-batch
+  after the first runs with the gradients resident (`MemoryEstimate.peak(..., accumulating=True)`). docs/gpu.md
+  compares it with timm's published GPU tables; a GPU check is `bench/gpu_check.sh`.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
@@ -34,8 +33,7 @@ import torch
 from ..memory import BudgetError, MemoryBudget
 
 __all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'card_memory', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
-           'CUDA_CONTEXT_BYTES', 'CUDA_SEGMENT_SLACK', 'CUBLAS_WORKSPACE_BYTES', 'CARD_REPORTED_SHARE',
-           'MODELLED_DEVICE_TYPES']
+           'CUDA_CONTEXT_BYTES', 'CARD_REPORTED_SHARE', 'MODELLED_DEVICE_TYPES']
 
 MiB = 1 << 20
 CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyond its tensors, doubled
@@ -43,10 +41,6 @@ CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyo
 CPU_ESTIMATE_MARGIN = 0.15
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = 1024 * MiB  # outside the allocator: the context with cuBLAS / cuDNN (lazy loading, CUDA 12-13)
-CUBLAS_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's default workspace on recent GPUs, inside the allocator
-# free tails of the caching allocator's segments at the peak, a share of what is live: an update keeps its
-# activations until the backward, a forward frees each soon after the next layer made its own (more, smaller holes)
-CUDA_SEGMENT_SLACK = {'update': 0.02, 'forward': 0.20}
 # what CUDA reports as total memory of a card sold as N GB: 0.9875 on an RTX 3090, 0.980 on an RTX 5090, 0.99 on
 # A100 / H100 / H200 (the cards' public specifications against `total_memory`); ECC-on GDDR cards (T4, A10, L4) lose
 # 6% more, which a nominal size cannot tell: give such a card's budget as the size CUDA shows
@@ -70,7 +64,6 @@ class DeviceModel:
         workspace: Bytes an op allocates for itself while it runs, given (op, args, its result); None: none.
         kept: Bytes a library keeps from an op on (the largest ask stays), given (op, args, its result); None: none.
         fixed: Categories the device adds whatever the batch, name -> bytes.
-        segment_slack: The allocator's free segment tails at the peak, a share of the tensors' bytes ('segments').
         uncounted: Categories the budget does not count (CPU: the weights, built before the cap is set).
         context_bytes: Memory outside the allocator taken off an absolute budget.
         assumptions: One line on what this model assumes (the report's and the YAML's header).
@@ -80,19 +73,13 @@ class DeviceModel:
     workspace: Optional[Callable[[object, tuple, object], int]] = None
     kept: Optional[Callable[[object, tuple, object], int]] = None
     fixed: Dict[str, int] = field(default_factory=dict)
-    segment_slack: float = 0.0
     uncounted: Tuple[str, ...] = ()
     context_bytes: int = 0
     assumptions: str = ''
 
-    @property
-    def extra_names(self) -> Tuple[str, ...]:
-        return ('segments',) * bool(self.segment_slack) + tuple(self.fixed)
-
     def on_device(self, split: Dict[str, float]) -> Dict[str, float]:
-        """A traced split with the allocator's segment tails and the device's fixed categories added."""
-        segments = {'segments': self.segment_slack * sum(split.values())} if self.segment_slack else {}
-        return {**split, **segments, **self.fixed}
+        """A traced split with the device's fixed categories added."""
+        return {**split, **self.fixed}
 
     def counted(self, split: Dict[str, float]) -> float:
         """The bytes of `split` the budget counts."""
@@ -186,29 +173,20 @@ def _conv_input(func, args: tuple) -> Optional[torch.Tensor]:
     return args[1] if func is torch.ops.aten.convolution_backward.default else args[0]
 
 
-def cudnn_workspace(func, args: tuple, out) -> int:
-    """Assumed cuDNN workspace of a convolution: at most the bytes of its input (0 for other ops)."""
-    input = _conv_input(func, args)
-    return 0 if input is None else _nbytes(input)
-
-
 def onednn_runs(device_type: str) -> bool:
     """Whether this process would run CPU convolutions in oneDNN (the model a CPU estimate for it takes)."""
     return device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
-def device_model(device_type: str, onednn: bool = False, forward_only: bool = False) -> DeviceModel:
-    """The model for 'cpu' (oneDNN on or off) or 'cuda' (an update's, or a forward's: `forward_only`)."""
+def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
+    """The model for 'cpu' (oneDNN on or off) or 'cuda'."""
     if device_type == 'cuda':
-        slack = CUDA_SEGMENT_SLACK['forward' if forward_only else 'update']
         return DeviceModel(
-            'cuda', caching_allocator_bytes, cudnn_workspace, fixed={'cublas': CUBLAS_WORKSPACE_BYTES},
-            segment_slack=slack, context_bytes=CUDA_CONTEXT_BYTES,
-            assumptions=(f'CUDA caching allocator rounding (512 B, 2 MiB segments, {slack:.0%} segment tails), '
-                         f'cuBLAS workspace {CUBLAS_WORKSPACE_BYTES // MiB} MiB, cuDNN workspace <= a convolution\'s '
-                         f'input, CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read as '
-                         f'{CARD_REPORTED_SHARE:.1%} of it, CUDA autocast\'s float32 casts, kernel launch limits; set '
-                         f'against timm\'s published GPU tables, not yet measured on a GPU'))
+            'cuda', caching_allocator_bytes, context_bytes=CUDA_CONTEXT_BYTES,
+            assumptions=(f'the step replayed on CUDA\'s caching allocator (PyTorch 2.14\'s rules) with cuBLAS / cuDNN '
+                         f'workspaces, layer_norm copies and flash attention\'s accumulators, CUDA context '
+                         f'{CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read as {CARD_REPORTED_SHARE:.1%} of '
+                         f'it, CUDA autocast\'s float32 casts, kernel launch limits; not yet measured on a GPU'))
     if device_type not in MODELLED_DEVICE_TYPES:
         raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers '
                          f'{" and ".join(MODELLED_DEVICE_TYPES)}')

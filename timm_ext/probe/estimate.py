@@ -29,6 +29,8 @@ from ..errors import TimmExtError
 from ..memory import format_bytes
 from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
+from ..cuda_memory.events import EventLog
+from ..cuda_memory.predict import CudaReplay, trace_logs
 from .cuda_autocast import CudaAutocastCasts
 from .device_memory import DeviceModel, device_model
 from .kernel_limits import KernelSizes, launch_limit
@@ -65,6 +67,8 @@ class MemoryEstimate:
             accumulation window (`accumulating`).
         kernel_sizes: CUDA: per sample, the sizes that bound the batch whatever the memory
             (`timm_ext.probe.kernel_limits`).
+        replay: CUDA: the step's event log on the caching allocator (`timm_ext.cuda_memory`), which answers `peak`
+            and `largest_batch` (None where the logs of two batch sizes did not line up: the lines answer).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -73,6 +77,7 @@ class MemoryEstimate:
     seconds: float
     grad_bytes: int = 0
     kernel_sizes: Dict[str, float] = dataclasses.field(default_factory=dict)
+    replay: Optional[CudaReplay] = None
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -87,7 +92,10 @@ class MemoryEstimate:
         split = {name: a + b * batch_size for name, (a, b) in self.lines.items()}
         if accumulating:  # the traced peak may hold some gradients already: the rest comes on top
             split['gradients'] += max(0.0, self.grad_bytes - split['gradients'])
-        return self.device.on_device(split)
+        split = self.device.on_device(split)
+        if self.replay is not None:  # what the allocator holds beyond the live peak: segments' free blocks
+            split['segments'] = max(0.0, self.replay.least_memory(batch_size, accumulating) - sum(split.values()))
+        return split
 
     def peak(self, batch_size: int, accumulating: bool = False) -> float:
         """Predicted peak in the budget's units (CPU: above what the process held before the step)."""
@@ -95,8 +103,10 @@ class MemoryEstimate:
 
     def line(self, accumulating: bool = False) -> Tuple[float, float]:
         """The predicted peak as (bytes at batch 0, bytes per sample): a prior for the probe's search."""
-        at_zero, at_one = self.peak(0, accumulating), self.peak(1, accumulating)
-        return at_zero, at_one - at_zero
+        low, high = (min(self.traced), max(self.traced)) if self.replay is not None else (0, 1)
+        at_low, at_high = self.peak(low, accumulating), self.peak(high, accumulating)
+        per_sample = (at_high - at_low) / (high - low)
+        return at_low - per_sample * low, per_sample
 
     def largest_batch(self, limit: float, accumulating: bool = False) -> int:
         """The largest batch predicted at or under `limit` bytes (0 when not even 1 is) that the device's kernels
@@ -105,6 +115,8 @@ class MemoryEstimate:
         if per_sample <= 0:
             raise EstimateError('the traced peak does not grow with the batch size; the estimate cannot aim')
         by_memory = max(0, int((limit - at_zero) // per_sample))
+        if self.replay is not None:  # the line aims the replay's search
+            return self.replay.largest_batch(limit, max(1, by_memory), accumulating, self.launch_limit[0])
         return min(by_memory, self.launch_limit[0] or by_memory)
 
     @property
@@ -114,7 +126,7 @@ class MemoryEstimate:
 
     def table(self, batch_sizes: Sequence[int], budget: Optional[int] = None) -> List[str]:
         """The per-batch table: predicted peak by category, the total, and its share of `budget`."""
-        names = [n for n in CATEGORIES + self.device.extra_names if n in self.categories(1)]
+        names = list(self.categories(1))
         head = f'{"batch":>7s} ' + ' '.join(f'{n:>12s}' for n in names) + f' {"peak":>11s}'
         rows = [head + ('  of budget' if budget else '')]
         for b in batch_sizes:
@@ -164,14 +176,24 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                                                                               no_grad=torch.no_grad)
             params = [p for p in stack.task.get_trainable_module().parameters() if p.requires_grad]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
-            tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)
+            if device.name == 'cuda':  # the ordered log the allocator replay reads
+                tracker = EventLog(stack.task.parameters(), weights, dict(stack.task.named_modules()),
+                                   allocated=device.allocated)
+            else:
+                tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)
+            order, steps = [], {}
             try:
                 with kernels or contextlib.nullcontext(), tracker, casts:
                     if step_kind != 'validate':  # the optimizer state exists when train.py trains or evaluates
+                        start = tracker.mark() if device.name == 'cuda' else 0
                         train_step(WARMUP_BATCH)
+                        order.append((start, tracker.mark() if device.name == 'cuda' else 0))
                     for batch_size in batches:
                         tracker.reset_peak()
+                        start = tracker.mark() if device.name == 'cuda' else 0
                         step(batch_size)
+                        steps[batch_size] = start, tracker.mark() if device.name == 'cuda' else 0
+                        order.append(steps[batch_size])
                         traced[batch_size] = dict(tracker.peak)
             finally:
                 tracker.remove_hooks()
@@ -185,7 +207,9 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                 + (f', optimizer {args.opt}' if step_kind == 'train' else ', forward only'))
     grad_bytes = sum(device.allocated(None, (), p.numel() * p.element_size()) for p in params)
     kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
-    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes)
+    log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
+    return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
+                          CudaReplay(log) if log else None)
 
 
 def in_child(fn: Callable[[], dict]) -> Optional[dict]:
@@ -219,7 +243,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
-    device = device_model(device_type, onednn, forward_only=step_kind != 'train')
+    device = device_model(device_type, onednn)
 
     def trace() -> dict:
         if device_type == 'cpu':
@@ -229,7 +253,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         except EstimateError as error:
             return dict(error=str(error))
         return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
-                    kernel_sizes=e.kernel_sizes)
+                    kernel_sizes=e.kernel_sizes, log=e.replay.log if e.replay else None)
 
     reply = in_child(trace)
     if reply is None:
@@ -239,4 +263,4 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     traced = {int(b): split for b, split in reply['traced'].items()}
     lines = {name: tuple(line) for name, line in reply['lines'].items()}
     return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'], reply['grad_bytes'],
-                          reply['kernel_sizes'])
+                          reply['kernel_sizes'], CudaReplay(reply['log']) if reply['log'] else None)

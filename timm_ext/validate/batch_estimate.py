@@ -81,7 +81,7 @@ def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: 
         BudgetError: The budget cannot be read, or is a fraction of a device that is not here.
     """
     budget = parse_budget(budget_text) if budget_text else None
-    device = device_model(device_type, forward_only=True)
+    device = device_model(device_type)
     if budget is not None:  # before the trace: a budget that cannot be read here fails at once
         num_bytes, usable = device.plan_in(budget, budget_text)
     estimate = estimate_memory(_estimate_args(args, model_name), device_type, onednn_runs(device_type),

@@ -1,0 +1,185 @@
+"""A traced step replayed on the caching allocator: the least memory it needs, and the largest batch that fits.
+
+The answer is the least device memory at which `iterations` steps run without an out-of-memory error, with the
+allocator's failure path (`timm_ext.cuda_memory.allocator`), found by bisection over segment-sized capacities. It is
+not the unlimited run's reserved peak: when the card runs short, the allocator releases its wholly free segments and
+tries again, and cuDNN's workspaces shrink to what is left (`timm_ext.cuda_memory.kernels`).
+
+A step log (`timm_ext.cuda_memory.events.step_log`) is replayed as the training loop runs it: what was live before the
+step is allocated first (weights, optimizer state, the resident batch), then the step's events `iterations` times,
+each step freeing what the step before it left (its output, its gradients) where the trace freed it. Under gradient
+accumulation (`accumulating`) the gradients stay resident and each new one is a temporary summed into them.
+"""
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from .allocator import ROUND_LARGE, CachingAllocator, OutOfMemory
+from .kernels import cuda_allocations
+
+__all__ = ['ReplayConfig', 'replay', 'fits', 'least_memory', 'largest_batch']
+
+UNLIMITED = 1 << 62
+MIN_WORKSPACE = 1 << 20  # below it an adaptive workspace gives up: cuDNN takes a plan that needs none
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How the step runs.
+
+    Attributes:
+        iterations: Steps replayed (the first differs: no step before it, cuDNN's search; the rest repeat).
+        cudnn_benchmark: cuDNN searches its plans on each new convolution shape, then empties the cache (train.py and
+            validate.py set `torch.backends.cudnn.benchmark`).
+        expandable: `expandable_segments` on.
+        accumulating: Gradients resident from the start (gradient accumulation; or zero_grad() that keeps them).
+        compute_capability: The card's, when known.
+    """
+    iterations: int = 3
+    cudnn_benchmark: bool = True
+    expandable: bool = False
+    accumulating: bool = False
+    compute_capability: Optional[Tuple[int, int]] = None
+
+
+def _adaptive(allocator: CachingAllocator, nbytes: int, tag: tuple):
+    """As much of a workspace as fits, halved until it does (None: none fits)."""
+    while nbytes >= MIN_WORKSPACE:
+        try:
+            return allocator.malloc(nbytes, tag)
+        except OutOfMemory:
+            nbytes //= 2
+    return None
+
+
+def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, searched: set,
+            config: ReplayConfig) -> None:
+    signature, where = names[event[1]], names[event[2]]
+    transient = []
+    for nbytes, life, key in cuda_allocations(signature, event[3:], where.startswith('backward'),
+                                              config.compute_capability):
+        tag = ('workspace', key, where)
+        if life == 'kept':
+            if key not in kept:
+                kept[key] = allocator.malloc(nbytes, tag)
+        elif life == 'op':
+            transient.append(allocator.malloc(nbytes, tag))
+        else:
+            block = _adaptive(allocator, nbytes, tag)
+            transient += [block] if block is not None else []
+            if config.cudnn_benchmark and signature not in searched:
+                searched.add(signature)
+                for block in transient:
+                    allocator.free(block)
+                transient = []
+                allocator.empty_cache()
+    for block in transient:
+        allocator.free(block)
+
+
+def replay(log: dict, capacity: int, config: ReplayConfig = ReplayConfig(), record: bool = False) -> CachingAllocator:
+    """Run the step's log `config.iterations` times on an allocator of `capacity` bytes.
+
+    Raises:
+        OutOfMemory: Where the card ran out.
+    """
+    names = log['names']
+    allocator = CachingAllocator(capacity, config.expandable, record)
+    for nbytes, category, op, where in log['residents']:
+        allocator.malloc(nbytes, (names[category], names[op], names[where]))
+    gradients = names.index('gradients') if 'gradients' in names else -1
+    accumulated = {}  # accumulating: the resident gradient of each signature
+    kept, searched, previous = {}, set(), {}
+    for _ in range(config.iterations):
+        live, ranks, allocations = {}, {}, 0
+        for event in log['events']:
+            kind = event[0]
+            if kind == 'a':
+                key, allocations = allocations, allocations + 1
+                signature = tuple(event[2:5])
+                rank = ranks[signature] = ranks.get(signature, -1) + 1
+                block = allocator.malloc(event[1], (names[event[2]], names[event[3]], names[event[4]]))
+                if config.accumulating and event[2] == gradients:
+                    if (*signature, rank) in accumulated:
+                        allocator.free(block)  # summed into the resident gradient at once
+                    else:  # the window's first gradient stays
+                        accumulated[(*signature, rank)] = block
+                    continue
+                live[key] = block, (*signature, rank)
+            elif kind == 'f':
+                entry = live.pop(event[1], None)
+                if entry is not None:
+                    allocator.free(entry[0])
+            elif kind == 'p':
+                block = previous.pop(tuple(event[1:5]), None)
+                if block is not None:
+                    allocator.free(block)
+            else:
+                _run_op(allocator, event, names, kept, searched, config)
+        previous = {signature: block for block, signature in live.values()}
+    return allocator
+
+
+def fits(log: dict, capacity: int, config: ReplayConfig = ReplayConfig()) -> bool:
+    """Whether the step runs `config.iterations` times in `capacity` bytes."""
+    try:
+        replay(log, capacity, config)
+    except OutOfMemory:
+        return False
+    return True
+
+
+def least_memory(log: dict, config: ReplayConfig = ReplayConfig()) -> int:
+    """The least capacity (a multiple of 2 MiB, the segments' granularity) at which the step runs without running
+    out: bisected between the unlimited run's allocated peak and its reserved peak."""
+    unlimited = replay(log, UNLIMITED, config)
+    low = unlimited.peak_allocated // ROUND_LARGE  # in 2 MiB units: low fails (or is the answer), high fits
+    high = -(-unlimited.peak_reserved // ROUND_LARGE)
+    if fits(log, low * ROUND_LARGE, config):
+        return low * ROUND_LARGE
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(log, middle * ROUND_LARGE, config):
+            high = middle
+        else:
+            low = middle
+    return high * ROUND_LARGE
+
+
+def largest_batch(log_at: Callable[[int], dict], capacity: int, guess: int, config: ReplayConfig = ReplayConfig(),
+                  limit: Optional[int] = None) -> int:
+    """The largest batch whose step runs in `capacity` bytes (0: not even 1), searched from `guess` up or down.
+
+    Args:
+        log_at: The step log at a batch size (`timm_ext.cuda_memory.events.ScaledLog.at`).
+        limit: A batch never to pass (the kernels' launch limits).
+    """
+    def holds(batch: int) -> bool:
+        return fits(log_at(batch), capacity, config)
+
+    top = limit or UNLIMITED
+    guess = max(1, min(guess, top))
+    if holds(guess):  # double until a batch fails (or the limit)
+        low, high = guess, None
+        while high is None:
+            if low >= top:
+                return top
+            if holds(min(top, low * 2)):
+                low = min(top, low * 2)
+            else:
+                high = min(top, low * 2)
+    else:  # halve until a batch holds
+        low, high = 0, guess
+        while high > 1 and not low:
+            if holds(high // 2):
+                low = high // 2
+            else:
+                high //= 2
+        if not low:
+            return 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        if holds(middle):
+            low = middle
+        else:
+            high = middle
+    return low
