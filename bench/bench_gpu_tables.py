@@ -32,7 +32,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,11 +43,11 @@ CACHE_DIR = os.path.join(ROOT, 'bench', 'results')
 CACHE_NAME = 'gpu_tables_traces'  # one JSON file a shard: <name>.<i>of<n>.json
 GiB = 1 << 30
 MiB = 1 << 20
-TABLES = {  # source file -> (kind, start batch, card, the memory CUDA reports for it)
-    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': ('train', 512, 'RTX 3090 24 GB', int(23.70 * GiB)),
-    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': ('infer', 1024, 'RTX 5090 32 GB', int(31.36 * GiB)),
+TABLES = {  # source file -> (kind, start batch, card, the memory CUDA reports for it, its compute capability)
+    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': ('train', 512, 'RTX 3090 24 GB', int(23.70 * GiB), (8, 6)),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': ('infer', 1024, 'RTX 5090 32 GB', int(31.36 * GiB), (12, 0)),
     'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': ('infer', 2048, 'RTX Pro 6000 Max-Q 96 GB',
-                                                             int(95.0 * GiB)),
+                                                             int(95.0 * GiB), (12, 0)),
 }
 EAGER_CONTEXT_BYTES = 1280 * MiB  # CUDA 11.3 without lazy loading: every kernel module of torch loaded at start
 TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
@@ -74,7 +74,7 @@ def select_rows(repo: str) -> List[dict]:
     from bench_atlas import MODELS as ATLAS_MODELS
     known = set(timm.list_models())
     chosen = []
-    for source, (kind, start, _, _) in TABLES.items():
+    for source, (kind, start, _, _, _) in TABLES.items():
         text = subprocess.run(['git', '-C', repo, 'show', f'HEAD:results/{source}'], capture_output=True, text=True,
                               check=True).stdout
         decayed, bounds = defaultdict(list), []
@@ -119,12 +119,12 @@ def read_rows() -> List[dict]:
 
 
 def read_cache() -> Dict[str, dict]:
-    """Every shard's traces, those of an older trace format left out (no kernel sizes recorded)."""
+    """Every shard's traces, those of an older trace format left out (no event log recorded)."""
     cache = {}
     for name in sorted(os.listdir(CACHE_DIR)) if os.path.isdir(CACHE_DIR) else ():
         if name.startswith(CACHE_NAME) and name.endswith('.json'):
             with open(os.path.join(CACHE_DIR, name)) as f:
-                cache.update({k: v for k, v in json.load(f).items() if 'error' in v or 'kernel_sizes' in v})
+                cache.update({k: v for k, v in json.load(f).items() if 'error' in v or 'log' in v})
     return cache
 
 
@@ -147,31 +147,35 @@ def trace(kind: str, model: str, img_size: int) -> dict:
     except EstimateError as error:
         return dict(error=str(error))
     return dict(lines=e.lines, traced={str(b): v for b, v in e.traced.items()}, describe=e.describe,
-                seconds=e.seconds, grad_bytes=e.grad_bytes, kernel_sizes=e.kernel_sizes)
+                seconds=e.seconds, grad_bytes=e.grad_bytes, kernel_sizes=e.kernel_sizes,
+                log=e.replay.log if e.replay else None)
 
 
-def to_estimate(entry: dict, kind: str, **device_values):
-    """A cached trace as the estimate for its table's software (`device_values`: constants replaced, for --sweep)."""
+def to_estimate(entry: dict, kind: str, compute_capability: Tuple[int, int]):
+    """A cached trace as the estimate for its table's software and card (see the module doc)."""
+    from timm_ext.cuda_memory.predict import CudaReplay
+    from timm_ext.cuda_memory.replay import ReplayConfig
     from timm_ext.probe.device_memory import device_model
     from timm_ext.probe.estimate import MemoryEstimate
-    device = device_model('cuda', forward_only=kind == 'infer')
+    device = device_model('cuda')
     if kind == 'train':
         device = dataclasses.replace(device, context_bytes=EAGER_CONTEXT_BYTES)
-    device = dataclasses.replace(device, **device_values)
+    replay = CudaReplay(entry['log'], ReplayConfig(compute_capability=compute_capability)) if entry['log'] else None
     return MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()},
                           {int(b): v for b, v in entry['traced'].items()}, device, entry['describe'],
-                          entry['seconds'], entry['grad_bytes'], entry.get('kernel_sizes', {}))
+                          entry['seconds'], entry['grad_bytes'], entry.get('kernel_sizes', {}), replay)
 
 
-def predicted(entry: dict, kind: str, card_bytes: int, **device_values) -> int:
-    estimate = to_estimate(entry, kind, **device_values)
+def predicted(entry: dict, source: str) -> int:
+    kind, _, _, card_bytes, compute_capability = TABLES[source]
+    estimate = to_estimate(entry, kind, compute_capability)
     # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
     return estimate.largest_batch(estimate.device.usable(card_bytes), accumulating=kind == 'train')
 
 
 def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
     lines = []
-    for source, (kind, start, card, card_bytes) in TABLES.items():
+    for source, (kind, start, card, _, _) in TABLES.items():
         mine = [r for r in rows if r['source'] == source]
         if not mine:
             continue
@@ -183,7 +187,7 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
             if entry is None or 'error' in entry:
                 failed.append(r['model'])
                 continue
-            b = predicted(entry, kind, card_bytes)
+            b = predicted(entry, source)
             if r['batch'] <= b < r['next_rung']:
                 hits += 1
             else:
@@ -205,7 +209,7 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
         for r in bounds:
             entry = cache.get(trace_key(kind, r['model'], r['img_size']))
             if entry and 'error' not in entry:
-                low.append((r, predicted(entry, kind, card_bytes)))
+                low.append((r, predicted(entry, source)))
         reached = sum(b >= r['batch'] for r, b in low)
         lines += [f'Lower bounds (rows at the start value {start}): the estimate reaches {reached} of {len(low)}'
                   + (': below it ' + ', '.join(f"{r['model']}@{r['img_size']} {b}" for r, b in low
@@ -217,33 +221,12 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
     return lines
 
 
-def sweep(rows: List[dict], cache: Dict[str, dict]) -> List[str]:
-    """The hit rate of each table over the two constants set from it: the segment tails and the context."""
-    lines = []
-    for source, (kind, _, card, card_bytes) in TABLES.items():
-        decayed = [(r, cache[trace_key(kind, r['model'], r['img_size'])]) for r in rows if r['source'] == source
-                   and r['next_rung'] and 'lines' in cache.get(trace_key(kind, r['model'], r['img_size']), {})]
-        if not decayed:
-            continue
-        slacks = (0.0, 0.02, 0.05, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3)
-        lines += [f'{card} ({len(decayed)} rows): rows within the rung by segment tails (columns) and context (rows)',
-                  '| context | ' + ' | '.join(f'{s:.0%}' for s in slacks) + ' |', '|---|' + '---|' * len(slacks)]
-        for context_mib in (400, 600, 800, 1024, 1280, 1536):
-            hits = [sum(r['batch'] <= predicted(e, kind, card_bytes, segment_slack=s, context_bytes=context_mib * MiB)
-                        < r['next_rung'] for r, e in decayed) for s in slacks]
-            lines.append(f'| {context_mib} MiB | ' + ' | '.join(f'{h / len(decayed):.0%}' for h in hits) + ' |')
-        lines.append('')
-    return lines
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--table', choices=('train', 'infer'), default=None, help='only this kind of table')
     parser.add_argument('--fresh', action='store_true', help='trace again even where a cached trace exists')
     parser.add_argument('--select-rows', metavar='TIMM_REPO', default=None,
                         help='rewrite bench/gpu_tables.csv from a timm checkout, then stop')
-    parser.add_argument('--sweep', action='store_true',
-                        help='print each table\'s hit rate over the segment tails and the context, then stop')
     parser.add_argument('--shard', default='0/1', metavar='I/N', help='trace only every N-th trace from the I-th')
     parser.add_argument('--output', default=os.path.join(ROOT, 'bench', 'results', 'gpu_tables.md'))
     args = parser.parse_args(argv)
@@ -254,9 +237,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     started = time.perf_counter()
     rows = [r for r in read_rows() if args.table in (None, TABLES[r['source']][0])]
-    if args.sweep:
-        print('\n'.join(sweep(rows, read_cache())))
-        return 0
     shard, shards = map(int, args.shard.split('/'))
     own = os.path.join(CACHE_DIR, f'{CACHE_NAME}.{shard}of{shards}.json')
     cache = {} if args.fresh else read_cache()
