@@ -42,6 +42,7 @@ from timm import utils
 
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
 from timm_ext.cuda_backends import configure_cuda_backends
+from timm_ext.cuda_memory.snapshot import add_snapshot_argument, snapshot_flag_problem
 from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
@@ -115,6 +116,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
                             'may then list several sizes (24GiB,80GiB) for a table of what fits where')
     group.add_argument('--nnodes', type=int, default=1, metavar='N',
                        help='with --estimate: plan for N nodes of --nproc processes each (nothing is launched)')
+    add_snapshot_argument(group)
     return parser
 
 
@@ -127,6 +129,9 @@ def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(problem)
     if args.mem_budget and ',' in args.mem_budget and not args.estimate:
         parser.error('argument --mem-budget: several budgets are for --estimate; give one, or add --estimate')
+    problem = snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
+    if problem:
+        parser.error(problem)
     if args.nnodes != 1 and not args.estimate:
         parser.error('argument --nnodes: plans several nodes only with --estimate; to probe on several nodes, start '
                      'tune_batch.py under torchrun on each')
@@ -251,6 +256,15 @@ def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace
     notes = [] if topology is None else [
         f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.']
     write_tuned_config(config, planned.lines, notes)
+    first = planned.plans[0]
+    if args.memory_snapshot and planned.estimate.replay is not None:
+        try:
+            print('\n'.join(planned.estimate.replay.save_snapshot(
+                first.plan.micro_batch, first.usable, args.memory_snapshot, planned.estimate.describe,
+                accumulating=first.plan.accum_steps > 1)))
+        except OSError as e:
+            return report(parser.prog, TimmExtError(f'--memory-snapshot {args.memory_snapshot}: cannot write it '
+                                                    f'({e.strerror}); pass a writable path'))
     return 0
 
 

@@ -71,11 +71,18 @@ def plan_from_estimate(args, argv) -> int:
     if planned.batch_size < 1:
         return fail(f'{args.model} is predicted not to fit {args.mem_budget} even at batch size 1')
     batch = default_grid(device_type, None).snap(planned.batch_size)  # a multiple of 8 on CUDA, for tensor cores
+    if args.memory_snapshot and planned.estimate.replay is not None:
+        try:
+            print('\n'.join(planned.estimate.replay.save_snapshot(batch, planned.usable, args.memory_snapshot,
+                                                                  planned.estimate.describe)))
+        except OSError as e:
+            return fail(f'--memory-snapshot {args.memory_snapshot}: cannot write it ({e.strerror}); pass a writable '
+                        f'path')
     kept, skip = [], False
     for token in sys.argv[1:] if argv is None else argv:  # the same command, less the planning flags, at the batch
-        if skip or token in ('--estimate', '--mem-budget', '-b', '--batch-size') or token.startswith(
-                ('--mem-budget=', '--batch-size=')):
-            skip = token in ('--mem-budget', '-b', '--batch-size')
+        valued = ('--mem-budget', '-b', '--batch-size', '--memory-snapshot')
+        if skip or token in ('--estimate', *valued) or token.startswith(tuple(f'{f}=' for f in valued if f[1] == '-')):
+            skip = token in valued
             continue
         kept.append(token)
     command = [sys.executable, sys.argv[0] or 'validate.py', *kept, '--batch-size', str(batch), '--retry']

@@ -6,7 +6,7 @@ answers what `timm_ext.probe.estimate.MemoryEstimate` asks on CUDA: the least me
 ask the same batches more than once.
 """
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import replay as replays
 from .allocator import expandable_segments_asked
@@ -45,6 +45,14 @@ class CudaReplay:
         if key not in self._least:
             self._least[key] = replays.least_memory(self.scaled.at(max(1, batch_size)), self._config(accumulating))
         return self._least[key]
+
+    def save_snapshot(self, batch_size: int, capacity: int, path: str, describe: str,
+                      accumulating: bool = False) -> List[str]:
+        """Write the predicted memory snapshot of `batch_size` in `capacity` bytes (`timm_ext.cuda_memory.snapshot`);
+        the report's lines."""
+        from .snapshot import save_predicted_snapshot
+        return save_predicted_snapshot(self.scaled.at(max(1, batch_size)), capacity, self._config(accumulating), path,
+                                       f'{describe}, batch {batch_size}')
 
     def largest_batch(self, capacity: float, guess: int, accumulating: bool = False,
                       limit: Optional[int] = None) -> int:

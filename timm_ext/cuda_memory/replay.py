@@ -11,7 +11,7 @@ each step freeing what the step before it left (its output, its gradients) where
 accumulation (`accumulating`) the gradients stay resident and each new one is a temporary summed into them.
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple, Type
 
 from .allocator import ROUND_LARGE, CachingAllocator, OutOfMemory
 from .kernels import cuda_allocations
@@ -76,14 +76,16 @@ def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, s
         allocator.free(block)
 
 
-def replay(log: dict, capacity: int, config: ReplayConfig = ReplayConfig(), record: bool = False) -> CachingAllocator:
-    """Run the step's log `config.iterations` times on an allocator of `capacity` bytes.
+def replay(log: dict, capacity: int, config: ReplayConfig = ReplayConfig(), record: bool = False,
+           allocator_type: Type[CachingAllocator] = CachingAllocator) -> CachingAllocator:
+    """Run the step's log `config.iterations` times on an allocator of `capacity` bytes (of `allocator_type`;
+    `record`: keep its trace).
 
     Raises:
         OutOfMemory: Where the card ran out.
     """
     names = log['names']
-    allocator = CachingAllocator(capacity, config.expandable, record)
+    allocator = allocator_type(capacity, config.expandable, record)
     for nbytes, category, op, where in log['residents']:
         allocator.malloc(nbytes, (names[category], names[op], names[where]))
     gradients = names.index('gradients') if 'gradients' in names else -1

@@ -16,6 +16,7 @@ from ..arg_checks import (
     COMMON_DOMAINS, NON_NEGATIVE_INT, POSITIVE_INT, Domain, Names, check_values, flag_names, split_problem,
     writable_file_problem,
 )
+from ..cuda_memory.snapshot import add_snapshot_argument, snapshot_flag_problem
 from ..memory import BudgetError, parse_budget
 from ..train.args import EXTENSIONS_GROUP
 from .results import RESULT_FORMATS
@@ -172,6 +173,7 @@ def _add_extension_args(p: argparse.ArgumentParser) -> None:
     group.add_argument('--estimate', action='store_true', default=False,
                        help='plan only: print the largest batch the memory estimate predicts within --mem-budget '
                             'and the command to run; needs no data, weights or device (--device cuda on any machine)')
+    add_snapshot_argument(group)
 
 
 def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -201,6 +203,9 @@ def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, s
             parse_budget(args.mem_budget)
         except BudgetError as e:
             return f'argument --mem-budget: {e}'
+    problem = snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
+    if problem:
+        return problem
     if args.estimate:  # a plan for another machine: its data need not be here
         return None
     root = args.data or args.data_dir

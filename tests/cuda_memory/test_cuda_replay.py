@@ -1,0 +1,71 @@
+"""The replay: the least memory a traced step runs in, the two golden cases, and logs scaled between batch sizes."""
+import pytest
+import torch
+import torch.nn as nn
+from timm.models.convnext import ConvNeXtBlock
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from timm_ext.cuda_memory.allocator import ROUND_LARGE
+from timm_ext.cuda_memory.events import AlignmentError, EventLog, ScaledLog, step_log
+from timm_ext.cuda_memory.replay import UNLIMITED, ReplayConfig, fits, largest_batch, least_memory, replay
+
+PLAIN = ReplayConfig(cudnn_benchmark=False)
+
+
+def traced_steps(model: nn.Module, batches, chw=(96, 96, 96)) -> dict:
+    """Training steps of `model` on fake tensors, one per batch size (after one at the first size): batch -> log."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        params = list(model.parameters())
+        log = EventLog(params, [*params, *model.buffers()], dict(model.named_modules()))
+        marks = []
+        with log:
+            for batch in (batches[0], *batches):
+                start = log.mark()
+                model(torch.randn(batch, *chw)).float().pow(2).mean().backward()
+                for p in params:
+                    p.grad = None
+                marks.append((start, log.mark()))
+        log.remove_hooks()
+    return {b: step_log(log.events, log.names, *marks[i + 1], marks[i][0]) for i, b in enumerate(batches)}
+
+
+def ratio(log: dict) -> float:
+    return least_memory(log, PLAIN) / replay(log, UNLIMITED, PLAIN).peak_allocated
+
+
+def test_a_convnext_block_needs_more_than_its_live_peak_and_a_uniform_chain_does_not():
+    # golden cases: ConvNeXt's block frees and makes tensors of four sizes (depthwise conv, LayerNorm copies, a 4x
+    # wider MLP), which leaves holes the next sizes do not fit; conv -> BN -> ReLU makes one size throughout
+    block = traced_steps(ConvNeXtBlock(96), [32])[32]
+    chain = traced_steps(nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(96, 96, 3, padding=1, bias=False),
+                                                                        nn.BatchNorm2d(96), nn.ReLU())]), [32])[32]
+    assert ratio(block) > 1.02
+    assert ratio(chain) < 1.005
+
+
+def test_the_least_memory_is_the_smallest_segment_multiple_that_runs():
+    log = traced_steps(ConvNeXtBlock(96), [16])[16]
+    least = least_memory(log, PLAIN)
+    assert least % ROUND_LARGE == 0
+    assert fits(log, least, PLAIN) and not fits(log, least - ROUND_LARGE, PLAIN)
+    assert least < replay(log, UNLIMITED, PLAIN).peak_reserved  # the failure path releases what caching kept
+
+
+def test_logs_of_two_batch_sizes_line_up_and_scale_linearly():
+    model = ConvNeXtBlock(32)
+    logs = traced_steps(model, [8, 16, 24], chw=(32, 24, 24))
+    scaled = ScaledLog(logs[8], 8, logs[16], 16)
+    assert scaled.at(24) == logs[24]  # every size predicted exactly at a batch not traced
+    with pytest.raises(AlignmentError):
+        ScaledLog(logs[8], 8, traced_steps(nn.Conv2d(32, 32, 1), [16], chw=(32, 24, 24))[16], 16)
+
+
+def test_the_largest_batch_is_the_largest_that_runs():
+    logs = traced_steps(ConvNeXtBlock(32), [8, 16], chw=(32, 24, 24))
+    scaled = ScaledLog(logs[8], 8, logs[16], 16)
+    capacity = least_memory(scaled.at(40), PLAIN)
+    found = largest_batch(scaled.at, capacity, guess=4, config=PLAIN)
+    assert found >= 40 and fits(scaled.at(found), capacity, PLAIN) and not fits(scaled.at(found + 1), capacity, PLAIN)
+    assert largest_batch(scaled.at, capacity, guess=400, config=PLAIN) == found  # from above as from below
+    assert largest_batch(scaled.at, capacity, guess=4, config=PLAIN, limit=20) == 20
+    assert largest_batch(scaled.at, 1 << 20, guess=4, config=PLAIN) == 0  # the weights alone do not fit
