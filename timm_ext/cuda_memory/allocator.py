@@ -116,6 +116,11 @@ class CachingAllocator:
         i = bisect.bisect_left(pool, (size, -1))
         return pool[i][2] if i < len(pool) else None
 
+    def largest_free_block(self) -> int:
+        """The largest cached free block (`cacheInfo`'s max block size: the large pool's)."""
+        pool = self.pools[False]
+        return pool[-1][0] if pool else 0
+
     def _event(self, action: str, address: int, size: int, tag: object = None) -> None:
         if self.trace is not None:
             self.trace.append(dict(action=action, addr=address, size=size, tag=tag))

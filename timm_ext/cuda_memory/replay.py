@@ -42,13 +42,10 @@ class ReplayConfig:
 
 
 def _adaptive(allocator: CachingAllocator, nbytes: int, tag: tuple):
-    """As much of a workspace as fits, halved until it does (None: none fits)."""
-    while nbytes >= MIN_WORKSPACE:
-        try:
-            return allocator.malloc(nbytes, tag)
-        except OutOfMemory:
-            nbytes //= 2
-    return None
+    """A cuDNN workspace: the plans kept are those whose workspace fits the largest cached free block (Conv_v8.cpp,
+    `cacheInfo`), so it takes at most that block and never a new segment (None: no workspace)."""
+    nbytes = min(nbytes, allocator.largest_free_block())
+    return allocator.malloc(nbytes, tag) if nbytes >= MIN_WORKSPACE else None
 
 
 def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, searched: set,
