@@ -59,19 +59,22 @@ def trace(model: str, config: str) -> dict:
         e = estimate_memory(args, 'cuda', batches=batches, step_kind=step)
     except EstimateError as error:
         return dict(error=str(error))
-    return dict(lines=e.lines, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
-                kernel_sizes=e.kernel_sizes)
+    return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
+                kernel_sizes=e.kernel_sizes, log=e.replay.log if e.replay else None)
 
 
 def largest(entry: dict, card_gb: int, config: str) -> Optional[int]:
     """The largest batch of a traced `config` on a card sold as `card_gb` GB (None: not traced)."""
     from timm_ext.probe.device_memory import card_memory, device_model
+    from timm_ext.cuda_memory.predict import CudaReplay
     from timm_ext.probe.estimate import MemoryEstimate
     if 'error' in entry:
         return None
-    device = device_model('cuda', forward_only=CONFIGS[config][0] != 'train')
-    e = MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()}, {}, device, entry['describe'],
-                       entry['seconds'], entry['grad_bytes'], entry['kernel_sizes'])
+    device = device_model('cuda')
+    traced = {int(b): split for b, split in entry['traced'].items()}
+    e = MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()}, traced, device, entry['describe'],
+                       entry['seconds'], entry['grad_bytes'], entry['kernel_sizes'],
+                       CudaReplay(entry['log']) if entry['log'] else None)
     return e.largest_batch(e.device.usable(card_memory(card_gb * GiB)))
 
 
@@ -81,12 +84,12 @@ def confirmations() -> Dict[tuple, str]:
     import bench_gpu_tables as tables
     cache, found = tables.read_cache(), {}
     for r in tables.read_rows():
-        kind, _, card, card_bytes = tables.TABLES[r['source']]
+        kind, _, card, _, _ = tables.TABLES[r['source']]
         entry = cache.get(tables.trace_key(kind, r['model'], r['img_size']))
         if not r['next_rung'] or entry is None or 'error' in entry:
             continue
-        if r['batch'] <= tables.predicted(entry, kind, card_bytes) < r['next_rung']:
-            found.setdefault((r['model'], kind), []).append(f"RTX {card.split(' ')[1]} {r['img_size']} px")
+        if r['batch'] <= tables.predicted(entry, r['source']) < r['next_rung']:
+            found.setdefault((r['model'], kind), []).append(f"{card.rsplit(' ', 2)[0]} {r['img_size']} px")
     return {key: ', '.join(v) for key, v in found.items()}
 
 

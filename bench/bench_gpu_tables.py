@@ -166,41 +166,74 @@ def to_estimate(entry: dict, kind: str, compute_capability: Tuple[int, int]):
                           entry['seconds'], entry['grad_bytes'], entry.get('kernel_sizes', {}), replay)
 
 
-def predicted(entry: dict, source: str) -> int:
+def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
+    """The largest batch the estimate puts on the table's card, within `headroom` of its usable memory."""
     kind, _, _, card_bytes, compute_capability = TABLES[source]
-    estimate = to_estimate(entry, kind, compute_capability)
+    return largest(to_estimate(entry, kind, compute_capability), source, headroom)
+
+
+def largest(estimate, source: str, headroom: float = 0.0) -> int:
+    kind, card_bytes = TABLES[source][0], TABLES[source][3]
     # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
-    return estimate.largest_batch(estimate.device.usable(card_bytes), accumulating=kind == 'train')
+    return estimate.largest_batch(estimate.device.usable(card_bytes) * (1 - headroom), accumulating=kind == 'train')
+
+
+def plan_headroom(kind: str) -> float:
+    """The default headroom of the plan a user of that table would run: validate.py's for inference, tune_batch.py's
+    for training."""
+    from timm_ext.memory import default_headroom
+    from timm_ext.validate.batch_estimate import EVAL_HEADROOM
+    return EVAL_HEADROOM if kind == 'infer' else default_headroom('cuda')
+
+
+def miss_reason(estimate, batch: int, accumulating: bool) -> str:
+    """What holds a missed row's prediction: a kernel limit, or the share of the peak that the replay adds to the
+    live bytes at the predicted batch (free blocks in segments, CUDA's workspaces)."""
+    limit, why = estimate.launch_limit
+    if limit is not None and batch >= limit:
+        return f'kernel limit: {why}'
+    split = estimate.categories(max(1, batch), accumulating)
+    total = sum(split.values()) or 1.0
+    return f"allocator and kernels {split.get('segments', 0) / total:.0%} of the peak"
 
 
 def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
     lines = []
-    for source, (kind, start, card, _, _) in TABLES.items():
+    for source, (kind, start, card, _, compute_capability) in TABLES.items():
         mine = [r for r in rows if r['source'] == source]
         if not mine:
             continue
         decayed = [r for r in mine if r['next_rung']]
         bounds = [r for r in mine if not r['next_rung']]
-        hits, misses, failed = 0, defaultdict(list), []
+        headroom = plan_headroom(kind)
+        hits, over, misses, failed = 0, [], defaultdict(list), []
         for r in decayed:
             entry = cache.get(trace_key(kind, r['model'], r['img_size']))
             if entry is None or 'error' in entry:
                 failed.append(r['model'])
                 continue
-            b = predicted(entry, source)
+            estimate = to_estimate(entry, kind, compute_capability)
+            b = largest(estimate, source)
+            if largest(estimate, source, headroom) >= r['next_rung']:
+                over.append(f"{r['model']}@{r['img_size']}")
             if r['batch'] <= b < r['next_rung']:
                 hits += 1
             else:
                 size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
                 misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
-                                                  f"rung {r['batch']}-{r['next_rung'] - 1})")
+                                                  f"rung {r['batch']}-{r['next_rung'] - 1}; {miss_reason(estimate, b, kind == 'train')})")
         judged = len(decayed) - len(failed)
         families = len({family(r['model']) for r in decayed})
+        tool = 'validate.py' if kind == 'infer' else 'tune_batch.py'
         lines += [f'## {card}: {source}', '',
                   f'Decayed rows: {len(decayed)} across {families} families; estimated {judged}; within the rung '
-                  f'{hits} of {judged} ({hits / max(1, judged):.0%}).', '']
+                  f'{hits} of {judged} ({hits / max(1, judged):.0%}).', '',
+                  f"{tool}'s plan at its default headroom ({headroom:.0%}) above the rung (an out-of-memory on this "
+                  f"card): {len(over)} of {judged} ({len(over) / max(1, judged):.1%})"
+                  + (f": {', '.join(over)}." if over else '.'), '']
         if misses:
-            lines += ['| family | misses: model@size, predicted (how far outside the rung; the rung) |', '|---|---|']
+            lines += ['| family | misses: model@size, predicted (how far outside the rung; the rung; what holds it) |',
+                      '|---|---|']
             lines += [f'| {fam} | {"; ".join(items)} |' for fam, items in sorted(misses.items())]
             lines.append('')
         if failed:

@@ -20,6 +20,9 @@
 #                 (cuDNN's benchmark search before the window), and the largest batch that really holds under a
 #                 12 GiB set_per_process_memory_fraction, searched from the prediction (bench/bench_estimate.py;
 #                 alone, --only estimate, about 2 minutes)
+#   snapshot      validate.py --estimate's predicted memory snapshot (resnet50, 24 GiB) against the real one of the
+#                 same forward under the memory the plan counted on: peaks side by side, _memory_viz compare
+#                 (bench/snapshot_check.py)
 # Samples/s come from the wall clock between train.py's progress lines (each one syncs the GPU), after the first
 # two. One summary table at the end; the exit status is 1 if any part failed. --dry-run prints every command and
 # runs nothing; --only runs the parts named (their names as in the table). Logs and outputs go to DIR (default:
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1 ;;
     --out) OUT="$2"; shift ;;
     --only) ONLY=",$2,"; shift ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -244,6 +247,13 @@ if run estimate 240 "$PY" "$REPO/bench/bench_estimate.py" --device cuda; then
   [ "$DRY_RUN" = 1 ] || row estimate ok "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/estimate.log" | tail -1 | cut -c9-)"
 else
   row estimate FAIL "$ELAPSED" "see $OUT/estimate.log"
+fi
+
+# ---- the predicted memory snapshot against the real one (bench/snapshot_check.py) --------------------------------
+if run snapshot 180 "$PY" "$REPO/bench/snapshot_check.py" --out "$OUT/snapshot"; then
+  [ "$DRY_RUN" = 1 ] || row snapshot ok "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/snapshot.log" | tail -1 | cut -c9-)"
+else
+  row snapshot FAIL "$ELAPSED" "$(grep -o 'RESULT: .*' "$OUT/snapshot.log" 2>/dev/null | tail -1 | cut -c9-) see $OUT/snapshot.log"
 fi
 
 [ "$DRY_RUN" = 1 ] && exit 0

@@ -62,7 +62,7 @@ def test_dry_run_prints_every_part_of_the_check(commands):
     printed, stdout = commands
     names = [script_argv(cmd)[0] for cmd in printed]
     assert names == ['python -c', 'tune_batch.py', 'tune_batch.py', 'train.py', 'validate.py', 'train.py', 'train.py',
-                     'cuda_defects.py', 'cuda_defects.py', 'cuda_defects.py', 'bench_estimate.py']
+                     'cuda_defects.py', 'cuda_defects.py', 'cuda_defects.py', 'bench_estimate.py', 'snapshot_check.py']
     assert 'which then becomes: ' in stdout and 'train.py -c' in stdout
 
 
@@ -77,6 +77,10 @@ def test_printed_commands_parse_with_the_settings_of_each_part(commands):
             continue
         if name == 'bench_estimate.py':
             assert argv == ['--device', 'cuda']  # the estimate against max_memory_reserved
+            continue
+        if name == 'snapshot_check.py':  # the predicted snapshot of issue 31's resnet50 case against the real one
+            snapshot = load_script('bench/snapshot_check.py').build_parser().parse_args(argv)
+            assert (snapshot.model, snapshot.mem_budget) == ('resnet50', '24GiB') and snapshot.out.endswith('snapshot')
             continue
         if name == 'tune_batch.py':
             parser = tune_batch.build_tune_parser()

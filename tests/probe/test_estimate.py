@@ -1,10 +1,15 @@
 """The memory estimate: train.py's step traced on fake tensors, fitted per category, against real CPU trials."""
+import json
+import subprocess
+import sys
+
 import pytest
 import timm
 import torch
 import torch.nn as nn
 from timm.models import register_model
 
+from conftest import REPO_ROOT
 from timm_ext.memory import PeakMeter, data_and_stack, steady_cpu_heap
 from timm_ext.probe.device_memory import CPU_ESTIMATE_MARGIN
 from timm_ext.probe.estimate import TRACE_BATCHES, EstimateError, estimate_memory, in_child
@@ -90,7 +95,7 @@ def _measured_peaks(model: str) -> dict:
                    'trials measure ~29 MB more at batch 16 on all three models in a full suite run; open in issue 26')
 def test_a_measured_trial_is_not_predicted_below_its_peak_by_more_than_the_margin(model):
     estimate = estimate_memory(run_args('--model', model, '--img-size', '64'), 'cpu')
-    measured = in_child(lambda: _measured_peaks(model))  # a process of its own: the heap setting is process-wide
+    measured = in_child(_measured_peaks, model)  # a process of its own: the heap setting is process-wide
     for batch_size, peak in measured.items():
         assert peak, (model, batch_size)
         assert estimate.peak(int(batch_size)) >= (1 - CPU_ESTIMATE_MARGIN) * peak, (model, batch_size, peak)
@@ -141,3 +146,32 @@ def test_nnpack_keeps_its_kernel_transform_from_batch_16_as_the_rule_says():
     assert found['rule']['14'] == 0 and found['rule']['16'] >= kernel_tiles
     assert found['beside_output'] >= 0.9 * kernel_tiles  # measured for real: what the rule predicts is there
     assert found['beside_output'] <= 1.15 * found['rule']['16']
+
+
+AFTER_A_BACKWARD = '''
+import json, sys, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from timm_ext.probe.estimate import estimate_memory
+from timm_ext.probe.forked import fork_runs_autograd
+from timm_ext.train.args import parse_args
+if sys.argv[1] == 'after':  # a fake backward, as a notebook that estimated before would have run
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.nn.Linear(8, 2)(torch.randn(4, 8, requires_grad=True)).sum().backward()
+args, _ = parse_args(['--model', 'test_resnet', '--img-size', '32', '--num-classes', '3'])
+args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+e = estimate_memory(args, 'cuda')
+print(json.dumps(dict(forks=fork_runs_autograd(), peaks=[e.peak(b) for b in (1, 8, 64)])))
+'''
+
+
+def test_the_estimate_runs_in_a_process_that_has_run_a_backward_already():
+    # torch refuses autograd in a child forked after a backward: the trace cannot fork there, and runs in-process
+    def run(when: str) -> dict:
+        done = subprocess.run([sys.executable, '-c', AFTER_A_BACKWARD, when], capture_output=True, text=True,
+                              timeout=300, cwd=REPO_ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    clean, after = run('clean'), run('after')
+    assert clean['forks'] and not after['forks']  # the case is real: the second process could not fork a trace
+    assert after['peaks'] == clean['peaks']

@@ -18,6 +18,8 @@ left out of the trace (its overflow check reads a value; it holds two scalars an
 import argparse
 import contextlib
 import dataclasses
+import functools
+import json
 import resource
 import time
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from .cuda_autocast import CudaAutocastCasts
 from .device_memory import DeviceModel, device_model
 from .kernel_limits import KernelSizes, launch_limit
 from .memory_trace import CATEGORIES, LiveBytes
-from .forked import call_forked
+from .forked import call_forked, fork_runs_autograd
 from .trial import probe_input_size
 from .trial_steps import trial_eval_forward, trial_loop, trial_train_step
 
@@ -106,6 +108,8 @@ class MemoryEstimate:
         low, high = (min(self.traced), max(self.traced)) if self.replay is not None else (0, 1)
         at_low, at_high = self.peak(low, accumulating), self.peak(high, accumulating)
         per_sample = (at_high - at_low) / (high - low)
+        if per_sample <= 0 and self.replay is not None:  # a small step's growth can hide inside its 2 MiB segments
+            per_sample = self.device.counted({name: b for name, (_, b) in self.lines.items()})
         return at_low - per_sample * low, per_sample
 
     def largest_batch(self, limit: float, accumulating: bool = False) -> int:
@@ -212,20 +216,46 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                           CudaReplay(log) if log else None)
 
 
-def in_child(fn: Callable[[], dict]) -> Optional[dict]:
-    """Run `fn` in a forked child and return its JSON-able answer (None when the child died without one).
+def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:
+    """Run `fn(*args)` in a forked child and return its JSON-able answer (None when the child died without one).
 
     Why: a fake-tensor backward starts autograd's threads, and a process that has run them cannot fork the probe's CPU
-    trials any more (torch refuses autograd in such a child), so every trace runs in a child of its own. The probe
-    asks for its estimate only once an asked size failed (`timm_ext.probe.search.search_batch_size`), under its CPU
-    cap: the child lifts the soft limit to the hard one, as the trace's weights and imports are no trial's memory.
+    trials any more (torch refuses autograd in such a child), so every trace runs in a child of its own. A caller
+    that has run a backward already (a notebook, a larger script) has nothing left to protect and its children could
+    not trace: there `fn` runs in this process. The probe asks for its estimate only once an asked size failed
+    (`timm_ext.probe.search.search_batch_size`), under its CPU cap: the trace runs with the soft limit lifted to the
+    hard one, as its weights and imports are no trial's memory.
     """
-    def uncapped() -> dict:
-        hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
-        return fn()
+    if fork_runs_autograd():
+        return call_forked(functools.partial(_uncapped, fn, *args), threads=2)[0]
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    mkldnn = torch.backends.mkldnn.enabled
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    try:
+        return json.loads(json.dumps(fn(*args)))  # the answer a child gives: JSON's types, nothing shared
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        torch.backends.mkldnn.enabled = mkldnn
 
-    return call_forked(uncapped, threads=2)[0]  # the child computes with one thread, as the probe's trials do
+
+def _uncapped(fn: Callable[..., dict], *args: object) -> dict:
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    torch.set_num_threads(1)  # a fork of a threaded process must: GNU OpenMP's pool does not survive it
+    return fn(*args)
+
+
+def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batches: Sequence[int],
+                  step_kind: str) -> dict:
+    """`estimate_memory`'s child: the trace as JSON (its error's text when it cannot be traced)."""
+    if device_type == 'cpu':
+        torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
+    try:
+        e = _trace(args, device_model(device_type, onednn), batches, step_kind)
+    except EstimateError as error:
+        return dict(error=str(error))
+    return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
+                kernel_sizes=e.kernel_sizes, log=e.replay.log if e.replay else None)
 
 
 def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,
@@ -244,18 +274,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
     device = device_model(device_type, onednn)
-
-    def trace() -> dict:
-        if device_type == 'cpu':
-            torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
-        try:
-            e = _trace(args, device, batches, step_kind)
-        except EstimateError as error:
-            return dict(error=str(error))
-        return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
-                    kernel_sizes=e.kernel_sizes, log=e.replay.log if e.replay else None)
-
-    reply = in_child(trace)
+    reply = in_child(_traced_reply, args, device_type, onednn, tuple(batches), step_kind)
     if reply is None:
         raise EstimateError(f'the estimate of {args.model} died before it finished (its process gave no answer)')
     if 'error' in reply:

@@ -15,12 +15,13 @@ import torch
 
 from .table import ERROR, OOM, Trial
 
-__all__ = ['die_with_parent', 'call_forked', 'run_forked']
+__all__ = ['die_with_parent', 'call_forked', 'fork_runs_autograd', 'run_forked']
 
 _logger = logging.getLogger(__name__)
 
 
 _SINGLE_THREAD_NOTE = [False]
+_FORK_RUNS_AUTOGRAD = [True]  # once False, False for good: autograd's threads never stop
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -80,6 +81,21 @@ def call_forked(fn: Callable[[], object], threads: int = 1) -> Tuple[Optional[ob
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
     return (json.loads(b''.join(chunks)) if chunks else None), wait_status
+
+
+def fork_runs_autograd() -> bool:
+    """Whether a child forked from this process can still run a backward pass.
+
+    Once this process has run one (on any device, fake tensors included), torch starts autograd's thread pool and
+    refuses autograd in every child forked after that ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"). A tiny backward in a throwaway fork answers it (a few milliseconds).
+    """
+    if _FORK_RUNS_AUTOGRAD[0]:
+        def backward() -> bool:
+            torch.ones(1, requires_grad=True).sum().backward()
+            return True
+        _FORK_RUNS_AUTOGRAD[0] = call_forked(backward, threads=2)[0] is True
+    return _FORK_RUNS_AUTOGRAD[0]
 
 
 def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:
