@@ -10,8 +10,8 @@ kernel differs, `describe_op` writes the op's shapes into the event log (`timm_e
   device thread, so a training step holds two (`cublas_workspace_bytes`: CUBLAS_WORKSPACE_CONFIG's default).
 * cuDNN convolutions (aten/src/ATen/native/cudnn/Conv_v8.cpp): a plan's workspace adapts to the memory left (with
   `cudnn.benchmark` only plans whose workspace fits are kept, the largest is halved until it fits, and the cache is
-  emptied after each search), so a workspace never fails a step by itself; the largest asked is the convolution's
-  input.
+  emptied after each search), so a workspace never fails a step by itself: the replay gives it at most the largest
+  free block the cache holds, never a new segment; the most asked is the convolution's input.
 * layer_norm (aten/src/ATen/native/layer_norm.cpp): the kernels take a contiguous input (`expect_contiguous`): a
   channels-first LayerNorm2d (a permuted view) copies its input in the forward, and its input and output gradient in
   the backward, for the time of the op.
