@@ -101,6 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
     models = [m for m in args.models.split(',') if m]
     cache = {} if args.fresh or not os.path.exists(CACHE) else json.load(open(CACHE))
+    cache = {k: e for k, e in cache.items() if 'error' in e or 'log' in e}  # older entries have no event log
     todo = [(m, c) for m in models for c in CONFIGS if c not in TRACED_AS and f'{m}|{c}' not in cache]
     os.makedirs(os.path.dirname(CACHE), exist_ok=True)
     for i, (model, config) in enumerate(todo, 1):
