@@ -3,13 +3,16 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from timm_ext import memory as memory_module
-from timm_ext.memory import BudgetError, MemoryBudget, PeakMeter, format_bytes, parse_budget, physical_memory
+from timm_ext.memory import (BudgetError, MemoryBudget, PeakMeter, _VmDataSampler, format_bytes, parse_budget,
+                              physical_memory)
 
 from conftest import REPO_ROOT
 
@@ -146,6 +149,34 @@ def test_peak_meter_measures_what_the_cap_counts():
     peak_mib, small_mib = map(int, result.stdout.split())
     assert 96 <= peak_mib < 96 + 16
     assert 8 <= small_mib < peak_mib
+
+
+def test_a_sample_read_before_a_restart_never_lands_after_it():
+    # the sampler reads VmData, then records it: on a loaded machine a restart (the next trial's window) can fall
+    # between the two, and the previous window's peak must not be recorded into the new one
+    sampler = _VmDataSampler(0.0001)
+    inside, release = threading.Event(), threading.Event()
+    sampled = []
+
+    def read() -> int:
+        if threading.current_thread() is sampler._thread and not sampled:
+            sampled.append(1)
+            inside.set()
+            release.wait(5)  # held inside the read until the main thread has tried to stop and restart
+            return 100
+        return 1
+
+    sampler.read = read
+    sampler.restart()
+    assert inside.wait(5)
+    stopper = threading.Thread(target=lambda: sampled.append(sampler.stop()))
+    stopper.start()
+    release.set()
+    stopper.join(5)
+    assert sampled[-1] == 100  # the first window keeps its own sample
+    sampler.restart()
+    time.sleep(0.01)
+    assert sampler.stop() == 1  # the new window saw only its own samples
 
 
 # ---- CUDA budgets and peaks: no GPU here, so the few torch.cuda queries involved are replaced ----------------------

@@ -338,6 +338,7 @@ class _VmDataSampler:
         self.interval = interval
         self.highest = 0
         self._armed = threading.Event()
+        self._lock = threading.Lock()
         self._fd = os.open('/proc/self/statm', os.O_RDONLY)
         self._page = os.sysconf('SC_PAGE_SIZE')
         previous = threading.stack_size(256 * 1024)  # its stack is data the cap counts: keep it small
@@ -354,19 +355,23 @@ class _VmDataSampler:
     def _run(self) -> None:
         while True:
             self._armed.wait()
-            self.highest = max(self.highest, self.read())
+            with self._lock:  # a sample read before a restart must not land after it (a loaded machine delays it)
+                if self._armed.is_set():
+                    self.highest = max(self.highest, self.read())
             time.sleep(self.interval)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def restart(self) -> None:
-        self.highest = self.read()
-        self._armed.set()
+        with self._lock:
+            self.highest = self.read()
+            self._armed.set()
 
     def stop(self) -> int:
-        self._armed.clear()
-        return max(self.highest, self.read())
+        with self._lock:
+            self._armed.clear()
+            return max(self.highest, self.read())
 
 
 _libc = None

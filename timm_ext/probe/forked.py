@@ -15,13 +15,14 @@ import torch
 
 from .table import ERROR, OOM, Trial
 
-__all__ = ['die_with_parent', 'call_forked', 'fork_runs_autograd', 'run_forked']
+__all__ = ['die_with_parent', 'call_forked', 'fork_runs_autograd', 'isolate_trials', 'run_forked']
 
 _logger = logging.getLogger(__name__)
 
 
 _SINGLE_THREAD_NOTE = [False]
 _FORK_RUNS_AUTOGRAD = [True]  # once False, False for good: autograd's threads never stop
+_IN_PROCESS_NOTE = [False]
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -96,6 +97,24 @@ def fork_runs_autograd() -> bool:
             return True
         _FORK_RUNS_AUTOGRAD[0] = call_forked(backward, threads=2)[0] is True
     return _FORK_RUNS_AUTOGRAD[0]
+
+
+def isolate_trials(device: torch.device) -> bool:
+    """Whether the probe's trials on `device` run in forks of this process (`run_forked`).
+
+    CPU trials do, where a fork can still run autograd. A caller that has run a backward pass before (a notebook,
+    a larger script) cannot fork them: there they run in this process, which keeps what earlier trials left in its
+    heap and oneDNN's caches, so their peaks can only read high (a smaller batch, never one that does not hold).
+    """
+    if device.type != 'cpu':
+        return False
+    if fork_runs_autograd():
+        return True
+    if not _IN_PROCESS_NOTE[0]:
+        _IN_PROCESS_NOTE[0] = True
+        _logger.info('Probe trials run in this process: it has run a backward pass, and torch refuses autograd in '
+                     'processes forked after one (peaks may read high).')
+    return False
 
 
 def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> Trial:

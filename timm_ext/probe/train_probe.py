@@ -13,6 +13,7 @@ import torch
 
 from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
 from .grids import BatchGrid, default_grid
+from .forked import isolate_trials
 from .measure import measured_trial
 from .rank_agreement import agree_across_ranks, smallest_over_ranks
 from .retime import retime_trials
@@ -89,8 +90,7 @@ def probe_train_batch(
         NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
     """
     device = setup.device
-    # CPU trials run in forked processes, CUDA trials here (see `timm_ext.probe.forked.run_forked`)
-    isolate = device.type == 'cpu'
+    isolate = isolate_trials(device)  # CPU trials in forked processes, CUDA trials here
     if not isolate:
         check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
     # resolved after that first update: what it took outside the allocator is no longer free for the budget
@@ -130,7 +130,7 @@ def check_step_runs(setup: TrainTrialSetup, start: int = 2) -> None:
         TrialError: The step fails; one line naming the run.
     """
     uncapped = agree_across_ranks(measured_trial(setup.step, setup.device, before=setup.reset,
-                                                 isolate=setup.device.type == 'cpu'))
+                                                 isolate=isolate_trials(setup.device)))
     check = uncapped(min(start, 2))
     if check.status == ERROR:
         raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '
