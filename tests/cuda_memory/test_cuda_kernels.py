@@ -89,3 +89,24 @@ def test_a_cudnn_convolution_asks_for_an_adaptive_workspace_keyed_by_its_shape()
     lives = [life for per_op in allocations for _, life, _ in per_op]
     assert lives == ['adaptive', 'adaptive']  # the forward and the backward
     assert ops[0][0] != ops[1][0] and '(8, 16, 16)' in ops[0][0]  # one search per shape, the batch left out
+
+
+def test_attention_on_3d_inputs_runs_cuda_math_path_in_float32_with_the_scores_and_their_softmax():
+    # sdp_utils.cpp: every fused CUDA kernel checks for 4-d inputs (timm's SAM ViT folds the heads into the batch);
+    # attention.cpp's math path upcasts half inputs (allow_fp16_bf16_reduction_math_sdp off by default), then
+    # holds the scores and their softmax. The CPU trace ran its flash kernel, which holds neither.
+    def folded(_):
+        q = torch.randn(24, 256, 64, dtype=torch.float16)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(24, 256, 256, dtype=torch.float16))
+    ops, allocations = _logged(folded)
+    math = [a for (sig, _, _), a in zip(ops, allocations) if sig == 'math attention']
+    assert math, [sig for sig, _, _ in ops]
+    operands, scores, softmax = (n for n, _, _ in math[0])
+    assert scores == softmax == 4 * 24 * 256 * 256
+    assert operands == 4 * 24 * 256 * 64 * (3 + 2 + 1)  # float32 copies, the scaled query and key, the output
+
+    def four_d(_):  # flash or memory-efficient on CUDA: nothing of the math path
+        q = torch.randn(2, 12, 256, 64, dtype=torch.float16)
+        F.scaled_dot_product_attention(q, q, q)
+    ops, _ = _logged(four_d)
+    assert 'math attention' not in [sig for sig, _, _ in ops]

@@ -15,6 +15,13 @@ kernel differs, `describe_op` writes the op's shapes into the event log (`timm_e
 * layer_norm (aten/src/ATen/native/layer_norm.cpp): the kernels take a contiguous input (`expect_contiguous`): a
   channels-first LayerNorm2d (a permuted view) copies its input in the forward, and its input and output gradient in
   the backward, for the time of the op.
+* scaled_dot_product_attention with 3-d inputs (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+  `check_tensor_shapes`: "All fused kernels requires query, key and value to be 4 dimensional"; attention.cpp,
+  `_scaled_dot_product_attention_math`): CUDA runs the math path where the CPU unsqueezed the inputs to a batch of
+  one and ran its flash kernel (the trace sees that leading 1; a traced batch is never 1). With half
+  inputs and `allow_fp16_bf16_reduction_math_sdp` off (the default) it computes in float32: copies of the operands,
+  the scaled query and key, then the batch x rows x keys scores and their softmax, for the time of the op (the
+  saved softmax of a training step's math path is not modelled).
 * flash attention's backward (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp): float32
   accumulators for dq (batch x seq rounded to 128 x heads x head size rounded to 32, 64 above 128) and the softmax
   row sums (batch x heads x seq rounded to 128), for the time of the op; the CPU trace's flash kernel saves the same
@@ -28,6 +35,7 @@ KiB = 1 << 10
 _MATMULS = ('mm.default', 'addmm.default', 'bmm.default', 'baddbmm.default', 'addmv.default', 'mv.default')
 _CONVOLUTIONS = ('convolution.default', 'convolution_backward.default', 'conv2d.default')
 _LAYER_NORMS = ('native_layer_norm.default', 'native_layer_norm_backward.default')
+_FLASH_FORWARD = '_scaled_dot_product_flash_attention_for_cpu.default'
 _FLASH_BACKWARD = '_scaled_dot_product_flash_attention_for_cpu_backward.default'
 _HALF_TYPES = ('torch.float16', 'torch.bfloat16')
 
@@ -65,6 +73,17 @@ def describe_op(func, args: tuple, out) -> Optional[Tuple[str, List[int]]]:
         if backward:
             copies += _nbytes(grad) * (not grad.is_contiguous())
         return name, [copies]
+    if name == _FLASH_FORWARD and args[0].shape[0] == 1:
+        # a 3-d call, which the CPU unsqueezes to one batch of 4-d (a traced batch is never 1): CUDA's fused
+        # kernels take 4-d inputs only, so CUDA runs the math path
+        query, key, value = (a[0] for a in args[:3])
+        half = str(query.dtype) in _HALF_TYPES
+        element = 4 if half else query.element_size()  # the math path computes half inputs in float32
+        copies = (query.numel() + key.numel() + value.numel()) * 4 if half else 0
+        scaled = (query.numel() + key.numel()) * element  # query and key times the square root of the scale
+        output = query.numel() // query.shape[-1] * value.shape[-1] * element
+        scores = query.numel() // query.shape[-1] * key.shape[-2] * element
+        return 'math attention', [copies + scaled + output, scores]
     if name == _FLASH_BACKWARD:
         query = args[1]  # (grad_out, query, key, value, out, logsumexp, ...): query is batch x heads x seq x dim
         if str(query.dtype) not in _HALF_TYPES or query.shape[-1] > 256:
@@ -94,6 +113,10 @@ def cuda_allocations(signature: str, numbers: List[int], backward: bool,
     elif signature in _LAYER_NORMS:
         if numbers[0]:
             yield numbers[0], 'op', signature
+    elif signature == 'math attention':  # operands, then the scores and their softmax (both alive at its end)
+        yield numbers[0], 'op', 'math attention operands'
+        yield numbers[1], 'op', 'math attention scores'
+        yield numbers[1], 'op', 'math attention softmax'
     elif signature == 'flash backward':
         batch, heads, seq, dim = numbers
         seq_rounded, dim_rounded = _round_up(seq, 128), _round_up(dim, 32 if dim <= 128 else 64)
