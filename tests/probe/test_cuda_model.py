@@ -141,6 +141,15 @@ def test_a_7x7_depthwise_convolution_limits_the_batch_below_2_31_elements_and_a_
     assert launch_limit(per_sample(strided))[0] == batch  # a permuted input takes PyTorch's kernel (pvt_v2, gcvit)
 
 
+def test_a_depthwise_convolution_of_fewer_than_32_channels_takes_the_32_bit_kernel_whatever_its_filter():
+    # aten/src/ATen/native/Convolution.cpp, use_cudnn_depthwise: cuDNN's depthwise path needs 32 channels or more;
+    # mobilenetv4_conv_aa_large's 24-channel blur pool stops inside its rung on the RTX Pro 6000 (1536-2047 at 448 px)
+    narrow = _sizes(lambda: F.conv2d(torch.randn(4, 24, 96, 96), torch.randn(24, 1, 3, 3), stride=2, groups=24))
+    wide = _sizes(lambda: F.conv2d(torch.randn(4, 32, 96, 96), torch.randn(32, 1, 3, 3), stride=2, groups=32))
+    assert launch_limit({k: v / 4 for k, v in narrow.items()})[0] == (2 ** 31 - 1) // (24 * 96 * 96)
+    assert launch_limit({k: v / 4 for k, v in wide.items()}) == (None, '')
+
+
 def test_reflection_padding_and_unmasked_attention_have_limits_masked_attention_does_not():
     pad = _sizes(lambda: F.pad(torch.randn(2, 8, 16, 16), (1, 1, 1, 1), mode='reflect'))
     assert launch_limit({k: v / 2 for k, v in pad.items()})[0] == (2 ** 31 - 1) // (8 * 18 * 18)

@@ -9,7 +9,9 @@ and a 96 GB card is not held back by memory. Three limits explain the rows:
   a relative-position mask, goes past it;
 * depthwise convolutions that PyTorch's own 32-bit kernel runs must hold fewer than 2**31 elements
   (`INDEX_ELEMENTS`): ConvNeXt's 7x7, and strided (permuted) inputs (pvt_v2, gcvit, maxxvit) stop where their
-  largest such tensor crosses it; contiguous 3x3 and 5x5 ones (MobileNet, MobileViT) go past it on cuDNN;
+  largest such tensor crosses it; contiguous 3x3 and 5x5 ones (MobileNet, MobileViT) go past it on cuDNN, which
+  takes only those of 32 channels or more (`CUDNN_DEPTHWISE_CHANNELS`): mobilenetv4_conv_aa's 24-channel blur pool
+  stops at 2**31;
 * reflection and replication padding index in 32 bits: the blur pools of resnetblur, densenetblur and tresnet.
 
 `KernelSizes` records the largest tensor of each kind of op while a step is traced, keyed by what decides its
@@ -25,6 +27,7 @@ __all__ = ['INDEX_ELEMENTS', 'ATTENTION_ROWS', 'KernelSizes', 'launch_limit']
 INDEX_ELEMENTS = 2 ** 31 - 1
 ATTENTION_ROWS = 65535
 CUDNN_DEPTHWISE_FILTERS = (1, 3, 5)
+CUDNN_DEPTHWISE_CHANNELS = 32  # Convolution.cpp, use_cudnn_depthwise: cuDNN's depthwise path needs 32 channels
 # (op, where its groups argument sits): under inference_mode conv2d reaches the dispatch modes undecomposed
 _CONVOLUTIONS = {torch.ops.aten.convolution.default: 8, torch.ops.aten.conv2d.default: 6}
 _PADDING = {getattr(torch.ops.aten, f'{op}_pad{d}d').default: mode
@@ -40,7 +43,8 @@ def _signature(func, args: tuple, kwargs: dict, out) -> Optional[Tuple[str, int]
         input, weight = args[0], args[1]
         groups = args[at] if len(args) > at else kwargs.get('groups', 1)
         if groups > 1 and groups == input.shape[1]:
-            layout = 'contiguous' if input.is_contiguous() else 'strided'
+            layout = 'strided' if not input.is_contiguous() else 'narrow' if groups < CUDNN_DEPTHWISE_CHANNELS \
+                else 'contiguous'
             return f'depthwise {weight.shape[-1]}x{weight.shape[-2]} {layout}', max(input.numel(), out.numel())
     elif func in _ATTENTION:
         at = _ATTENTION[func]
@@ -78,7 +82,7 @@ def _limit(signature: str) -> Optional[Tuple[int, str]]:
         return ATTENTION_ROWS, "attention's batch x windows reaches 65536 rows (a CUDA grid dimension)"
     if kind == 'depthwise':
         filter_size, layout = detail.split(' ')
-        if layout == 'strided' or int(filter_size.split('x')[0]) not in CUDNN_DEPTHWISE_FILTERS:
+        if layout != 'contiguous' or int(filter_size.split('x')[0]) not in CUDNN_DEPTHWISE_FILTERS:
             return INDEX_ELEMENTS, f'a {detail} depthwise convolution reaches 2**31 elements (a 32-bit kernel)'
     if kind == 'pad':
         return INDEX_ELEMENTS, f'{detail} padding reaches 2**31 elements (a 32-bit kernel)'
