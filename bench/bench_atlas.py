@@ -59,22 +59,16 @@ def trace(model: str, config: str) -> dict:
         e = estimate_memory(args, 'cuda', batches=batches, step_kind=step)
     except EstimateError as error:
         return dict(error=str(error))
-    return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
-                kernel_sizes=e.kernel_sizes, log=e.replay.log if e.replay else None)
+    return e.to_json()
 
 
 def largest(entry: dict, card_gb: int, config: str) -> Optional[int]:
     """The largest batch of a traced `config` on a card sold as `card_gb` GB (None: not traced)."""
     from timm_ext.probe.device_memory import card_memory, device_model
-    from timm_ext.cuda_memory.predict import CudaReplay
     from timm_ext.probe.estimate import MemoryEstimate
     if 'error' in entry:
         return None
-    device = device_model('cuda')
-    traced = {int(b): split for b, split in entry['traced'].items()}
-    e = MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()}, traced, device, entry['describe'],
-                       entry['seconds'], entry['grad_bytes'], entry['kernel_sizes'],
-                       CudaReplay(entry['log']) if entry['log'] else None)
+    e = MemoryEstimate.from_json(entry, device_model('cuda'))
     return e.largest_batch(e.device.usable(card_memory(card_gb * GiB)))
 
 

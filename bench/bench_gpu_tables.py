@@ -146,29 +146,23 @@ def trace(kind: str, model: str, img_size: int) -> dict:
         e = estimate_memory(args, 'cuda', step_kind='train' if kind == 'train' else 'validate')
     except EstimateError as error:
         return dict(error=str(error))
-    return dict(lines=e.lines, traced={str(b): v for b, v in e.traced.items()}, describe=e.describe,
-                seconds=e.seconds, grad_bytes=e.grad_bytes, kernel_sizes=e.kernel_sizes,
-                log=e.replay.log if e.replay else None)
+    return e.to_json()
 
 
 def to_estimate(entry: dict, kind: str, compute_capability: Tuple[int, int]):
     """A cached trace as the estimate for its table's software and card (see the module doc)."""
-    from timm_ext.cuda_memory.predict import CudaReplay
     from timm_ext.cuda_memory.replay import ReplayConfig
     from timm_ext.probe.device_memory import device_model
     from timm_ext.probe.estimate import MemoryEstimate
     device = device_model('cuda')
     if kind == 'train':
         device = dataclasses.replace(device, context_bytes=EAGER_CONTEXT_BYTES)
-    replay = CudaReplay(entry['log'], ReplayConfig(compute_capability=compute_capability)) if entry['log'] else None
-    return MemoryEstimate({k: tuple(v) for k, v in entry['lines'].items()},
-                          {int(b): v for b, v in entry['traced'].items()}, device, entry['describe'],
-                          entry['seconds'], entry['grad_bytes'], entry.get('kernel_sizes', {}), replay)
+    return MemoryEstimate.from_json(entry, device, ReplayConfig(compute_capability=compute_capability))
 
 
 def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
     """The largest batch the estimate puts on the table's card, within `headroom` of its usable memory."""
-    kind, _, _, card_bytes, compute_capability = TABLES[source]
+    kind, compute_capability = TABLES[source][0], TABLES[source][4]
     return largest(to_estimate(entry, kind, compute_capability), source, headroom)
 
 
@@ -220,8 +214,9 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
                 hits += 1
             else:
                 size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
+                reason = miss_reason(estimate, b, kind == 'train')
                 misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
-                                                  f"rung {r['batch']}-{r['next_rung'] - 1}; {miss_reason(estimate, b, kind == 'train')})")
+                                                  f"rung {r['batch']}-{r['next_rung'] - 1}; {reason})")
         judged = len(decayed) - len(failed)
         families = len({family(r['model']) for r in decayed})
         tool = 'validate.py' if kind == 'infer' else 'tune_batch.py'

@@ -63,18 +63,19 @@ def main(argv=None) -> int:
                                     args.mem_budget, '--estimate'])
     planned = estimate_eval_batch(vargs, args.model, 'cuda', args.mem_budget)
     replay = planned.estimate.replay
-    print('\n'.join(replay.save_snapshot(planned.batch_size, planned.usable, predicted_path, planned.estimate.describe)))
+    batch, describe = planned.batch_size, planned.estimate.describe
+    print('\n'.join(replay.save_snapshot(batch, planned.usable, predicted_path, describe)))
     with open(predicted_path, 'rb') as f:
         figures = pickle.load(f)['predicted']
     predicted = figures['peak_allocated'], figures['reserved_at_peak']
     fraction = min(1.0, planned.usable / torch.cuda.get_device_properties(0).total_memory)
-    held, allocated, reserved = real_snapshot(args.model, planned.batch_size, fraction, replay.config.iterations,
-                                              real_path)
+    held, allocated, reserved = real_snapshot(args.model, batch, fraction, replay.config.iterations, real_path)
     print(f'{"":24s} {"predicted":>12s} {"real":>12s}')
     print(f'{"peak allocated (GiB)":24s} {predicted[0] / GiB:12.3f} {allocated / GiB:12.3f}')
     print(f'{"reserved at peak (GiB)":24s} {predicted[1] / GiB:12.3f} {reserved / GiB:12.3f}')
     subprocess.run([sys.executable, '-m', 'torch.cuda._memory_viz', 'compare', predicted_path, real_path])
-    print(f'RESULT: batch {planned.batch_size} in {planned.usable / GiB:.2f} GiB {"held" if held else "ran out of memory"}; '
+    outcome = 'held' if held else 'ran out of memory'
+    print(f'RESULT: batch {batch} in {planned.usable / GiB:.2f} GiB {outcome}; '
           f'reserved predicted {predicted[1] / GiB:.2f} GiB, real {reserved / GiB:.2f} GiB')
     return 0 if held else 1
 

@@ -18,9 +18,6 @@ left out of the trace (its overflow check reads a value; it holds two scalars an
 import argparse
 import contextlib
 import dataclasses
-import functools
-import json
-import resource
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -33,11 +30,12 @@ from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from ..cuda_memory.events import EventLog
 from ..cuda_memory.predict import CudaReplay, trace_logs
+from ..cuda_memory.replay import ReplayConfig
 from .cuda_autocast import CudaAutocastCasts
 from .device_memory import DeviceModel, device_model
 from .kernel_limits import KernelSizes, launch_limit
 from .memory_trace import CATEGORIES, LiveBytes
-from .forked import call_forked, fork_runs_autograd
+from .forked import call_uncapped
 from .trial import probe_input_size
 from .trial_steps import trial_eval_forward, trial_loop, trial_train_step
 
@@ -80,6 +78,24 @@ class MemoryEstimate:
     grad_bytes: int = 0
     kernel_sizes: Dict[str, float] = dataclasses.field(default_factory=dict)
     replay: Optional[CudaReplay] = None
+
+    def to_json(self) -> dict:
+        """The estimate as JSON's types (what a trace's child sends back and the benchmarks cache), device aside."""
+        return dict(lines=self.lines, traced=self.traced, describe=self.describe, seconds=self.seconds,
+                    grad_bytes=self.grad_bytes, kernel_sizes=self.kernel_sizes,
+                    log=self.replay.log if self.replay else None)
+
+    @classmethod
+    def from_json(cls, data: dict, device: DeviceModel,
+                  replay_config: Optional[ReplayConfig] = None) -> 'MemoryEstimate':
+        """The estimate `to_json` wrote, for `device`; its replay runs as `replay_config` says (default: as the
+        environment asks, `CudaReplay`)."""
+        replay = None
+        if data.get('log'):
+            replay = CudaReplay(data['log']) if replay_config is None else CudaReplay(data['log'], replay_config)
+        return cls({name: tuple(line) for name, line in data['lines'].items()},
+                   {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
+                   data['grad_bytes'], data.get('kernel_sizes', {}), replay)
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -226,36 +242,21 @@ def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:
     (`timm_ext.probe.search.search_batch_size`), under its CPU cap: the trace runs with the soft limit lifted to the
     hard one, as its weights and imports are no trial's memory.
     """
-    if fork_runs_autograd():
-        return call_forked(functools.partial(_uncapped, fn, *args), threads=2)[0]
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    mkldnn = torch.backends.mkldnn.enabled
-    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
-    try:
-        return json.loads(json.dumps(fn(*args)))  # the answer a child gives: JSON's types, nothing shared
-    finally:
-        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-        torch.backends.mkldnn.enabled = mkldnn
-
-
-def _uncapped(fn: Callable[..., dict], *args: object) -> dict:
-    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
-    torch.set_num_threads(1)  # a fork of a threaded process must: GNU OpenMP's pool does not survive it
-    return fn(*args)
+    return call_uncapped(fn, *args)
 
 
 def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batches: Sequence[int],
                   step_kind: str) -> dict:
     """`estimate_memory`'s child: the trace as JSON (its error's text when it cannot be traced)."""
+    mkldnn = torch.backends.mkldnn.enabled
     if device_type == 'cpu':
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
-        e = _trace(args, device_model(device_type, onednn), batches, step_kind)
+        return _trace(args, device_model(device_type, onednn), batches, step_kind).to_json()
     except EstimateError as error:
         return dict(error=str(error))
-    return dict(lines=e.lines, traced=e.traced, describe=e.describe, seconds=e.seconds, grad_bytes=e.grad_bytes,
-                kernel_sizes=e.kernel_sizes, log=e.replay.log if e.replay else None)
+    finally:
+        torch.backends.mkldnn.enabled = mkldnn  # in-process (`in_child`), the caller's setting again
 
 
 def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,
@@ -279,7 +280,4 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         raise EstimateError(f'the estimate of {args.model} died before it finished (its process gave no answer)')
     if 'error' in reply:
         raise EstimateError(reply['error'])
-    traced = {int(b): split for b, split in reply['traced'].items()}
-    lines = {name: tuple(line) for name, line in reply['lines'].items()}
-    return MemoryEstimate(lines, traced, device, reply['describe'], reply['seconds'], reply['grad_bytes'],
-                          reply['kernel_sizes'], CudaReplay(reply['log']) if reply['log'] else None)
+    return MemoryEstimate.from_json(reply, device)

@@ -4,10 +4,13 @@ On CPU a process does not give memory back between trials (glibc's heap high-wat
 so CPU trials run in a fresh fork each (`run_forked`); the memory estimate traces in one too (`call_forked`), and
 tune_batch.py's torchrun ranks die with it (`die_with_parent`).
 """
+import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
+import resource
 import signal
 from typing import Callable, Optional, Tuple
 
@@ -15,7 +18,7 @@ import torch
 
 from .table import ERROR, OOM, Trial
 
-__all__ = ['die_with_parent', 'call_forked', 'fork_runs_autograd', 'isolate_trials', 'run_forked']
+__all__ = ['die_with_parent', 'call_forked', 'call_uncapped', 'fork_runs_autograd', 'isolate_trials', 'run_forked']
 
 _logger = logging.getLogger(__name__)
 
@@ -97,6 +100,32 @@ def fork_runs_autograd() -> bool:
             return True
         _FORK_RUNS_AUTOGRAD[0] = call_forked(backward, threads=2)[0] is True
     return _FORK_RUNS_AUTOGRAD[0]
+
+
+def call_uncapped(fn: Callable[..., object], *args: object) -> Optional[object]:
+    """`fn(*args)`'s JSON-able answer, computed with RLIMIT_DATA's soft limit lifted to the hard one: in a forked
+    child (one thread) where a fork can run autograd, else in this process, the limit restored after (None: the child
+    died without an answer)."""
+    if fork_runs_autograd():
+        return call_forked(functools.partial(_single_threaded_uncapped, fn, *args), threads=2)[0]
+    with _soft_limit_lifted():
+        return json.loads(json.dumps(fn(*args)))  # the answer a child gives: JSON's types, nothing shared
+
+
+@contextlib.contextmanager
+def _soft_limit_lifted():
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _single_threaded_uncapped(fn: Callable[..., object], *args: object) -> object:
+    torch.set_num_threads(1)  # a fork of a threaded process must: GNU OpenMP's pool does not survive it
+    with _soft_limit_lifted():
+        return fn(*args)
 
 
 def isolate_trials(device: torch.device) -> bool:
