@@ -46,14 +46,14 @@ from timm_ext.cuda_memory.snapshot import add_snapshot_argument, snapshot_flag_p
 from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
-from timm_ext.memory import default_headroom
+from timm_ext.memory import default_headroom, trains_on_steady_heap
 from timm_ext.probe.estimate import EstimateError
 from timm_ext.probe.forked import die_with_parent
 from timm_ext.probe.selection import SELECT_MODES
 from timm_ext.probe.table import NothingFitsError
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, given_dests, group_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
-from timm_ext.train.setup import check_arg_combinations, check_inputs
+from timm_ext.train.setup import check_arg_combinations, check_inputs, with_values
 from timm_ext.tune.handover import exec_training, release_probe
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
 from timm_ext.tune.tuned_config import extension_flags, planned_command, train_command, tuned_config, write_tuned_config
@@ -195,6 +195,12 @@ def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Name
     return exec_training(command)  # the probe ranks have exited; this process becomes the launcher
 
 
+def with_measured_heap(args: argparse.Namespace, device) -> argparse.Namespace:
+    """`args` with ``--steady-cpu-heap`` on where the batch was measured on it (`trains_on_steady_heap`): the train
+    command then peaks as the trials did, whenever a cap comes."""
+    return with_values(args, steady_cpu_heap=True) if trains_on_steady_heap(device, bool(args.mem_budget)) else args
+
+
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
     train_args = args  # as parsed: what the config describes (init_device's copy holds the runtime fields)
     args, device = init_device(args)
@@ -205,6 +211,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     primary = args.rank == 0
     config_path = args.tuned_config or default_config_path(args)
     tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
+    train_args = with_measured_heap(train_args, device)
     release_probe(device, bool(args.torchcompile))
 
     values = dict(tuned.schedule)
@@ -252,7 +259,7 @@ def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace
     config_path = args.tuned_config or default_config_path(args)
     topology = planned_topology(args.nnodes, args.nproc)
     values = {} if planned.eval_batch is None else {'validation_batch_size': planned.eval_batch}
-    config = tuned_config(args, parser, planned.plans[0].plan, config_path, SCRIPT_DIR, args.nproc, topology, values)
+    config = tuned_config(with_measured_heap(args, args.device), parser, planned.plans[0].plan, config_path, SCRIPT_DIR, args.nproc, topology, values)
     notes = [] if topology is None else [
         f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.']
     write_tuned_config(config, planned.lines, notes)

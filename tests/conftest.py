@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from timm_ext.synthetic_data import make_image_folder
+from timm_ext.tune.tuned_config import planned_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,14 @@ def run_script(script: str, *args: str, timeout: float = 300, env: dict | None =
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT,
         preexec_fn=preexec_fn,
     )
+
+
+def tuned_flags(config: Path) -> list:
+    """The extension flags on the train command a tuned config records (after ``-c CONFIG``), as a user running that
+    command passes them."""
+    command = planned_command(Path(config).read_text())
+    assert command is not None, f'{config} records no train command'
+    return command[command.index('-c') + 2:]
 
 
 def torchrun(*argv, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -243,8 +243,8 @@ HEAP_AFTER_A_FREED_BLOCK = textwrap.dedent('''
     from timm_ext.train.args import parse_args
     if sys.argv[1] == 'capped':  # a run started under a data-segment cap (one that binds nothing here)
         resource.setrlimit(resource.RLIMIT_DATA, (1 << 50, resource.getrlimit(resource.RLIMIT_DATA)[1]))
-    if sys.argv[1] in ('train.py', 'capped'):  # set up the CPU device as train.py does
-        init_device(parse_args(['--device', 'cpu'])[0])
+    if sys.argv[1] in ('train.py', 'capped', 'flag'):  # set up the CPU device as train.py does
+        init_device(parse_args(['--device', 'cpu', *(['--steady-cpu-heap'] if sys.argv[1] == 'flag' else [])])[0])
     big = torch.ones(8 << 20, dtype=torch.uint8)
     del big  # glibc's dynamic threshold now puts blocks up to 8 MiB on the heap
     before = proc_status('VmData')['VmData']
@@ -263,11 +263,19 @@ def test_a_capped_cpu_run_hands_freed_blocks_back_so_its_peak_is_the_same_in_eve
         assert done.returncode == 0, done.stderr[-2000:]
         return int(done.stdout.split()[-1])
 
-    # uncapped, train.py keeps glibc's heap as it comes (a fixed threshold, every large block a fresh mapping, would
-    # cost ~10% of stock's speed): most of the freed 4 MiB stays in the data segment a cap counts (margin: the block
-    # may reuse some free heap that was already there)
+    # uncapped, train.py keeps glibc's heap as it comes (a fixed threshold, every large block a fresh mapping, costs
+    # speed: resnet18's CPU step took 1.4-1.6x as long): most of the freed 4 MiB stays in the data segment a cap counts
+    # (margin: the block may reuse some free heap that was already there)
     assert kept('train.py') >= 3 << 20
     assert kept('capped') < 1 << 20  # under a cap the steady heap: mapped, and unmapped when freed
+    assert kept('flag') < 1 << 20  # and with --steady-cpu-heap, which a train command tuned under a CPU budget has
+
+
+def test_a_run_tuned_under_a_cpu_budget_trains_on_the_heap_its_trials_measured():
+    glibc = memory_module._glibc() is not None
+    assert memory_module.trains_on_steady_heap('cpu', True) is glibc
+    assert not memory_module.trains_on_steady_heap('cpu', False)  # no budget asked: stock's heap and speed
+    assert not memory_module.trains_on_steady_heap('cuda', True)
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='glibc and /proc')

@@ -1,9 +1,14 @@
 """The probe's promise under a real RLIMIT_DATA cap: the micro-batch tune_batch.py chooses at the default headroom
-trains in train.py under the same cap, for two epochs with an eval pass and checkpoints after each.
+trains in train.py under the same cap, for two epochs with an eval pass and checkpoints after each, when the cap comes
+only after train.py has started (prlimit, a ulimit in a job script, another process taking the rest).
+
+The trials measure their peaks on the steady heap (`timm_ext.memory.steady_cpu_heap`); a train.py started uncapped
+keeps glibc's dynamic heap unless the tuned command's ``--steady-cpu-heap`` says otherwise. Without it, here: the
+probe chose 47 (peak 90.6 MiB of 96) and train.py at -b 47 ran out of memory in its first epoch.
 
 On CPU oneDNN keeps every shape's kernels and buffers for the life of the process, so train.py's second epoch trains
 with its eval pass's shapes resident (the eval batch and the split's smaller last batch). A trial of updates alone
-chose 19-20 here (peak 42-43 MiB of 48) and train.py then peaked 49 MiB after its first eval, out of memory.
+chose 19-20 at 32 px under 48 MiB (peak 42-43 MiB) and train.py then peaked 49 MiB after its first eval, out of memory.
 """
 import sys
 from pathlib import Path
@@ -13,11 +18,11 @@ import yaml
 
 from timm_ext.synthetic_data import make_image_folder
 
-from conftest import run_script
+from conftest import run_script, tuned_flags
 
-BUDGET_MIB = 48
-# test_resnet at 32 px: about 20 images fit the 48 MiB budget, well below the 120-image train split
-RUN = ['--model', 'test_resnet', '--device', 'cpu', '--num-classes', '3', '--img-size', '32', '-j', '0']
+BUDGET_MIB = 96
+# test_resnet at 64 px: about 47 images fit the 96 MiB budget, well below the 120-image train split
+RUN = ['--model', 'test_resnet', '--device', 'cpu', '--num-classes', '3', '--img-size', '64', '-j', '0']
 
 
 @pytest.fixture(scope='module')
@@ -42,9 +47,12 @@ def test_the_chosen_micro_batch_trains_two_epochs_with_eval_and_checkpoints_unde
     assert batch < 120, 'the cap, not the train split, must bind'
     probe_peak = next(line for line in tuned.stdout.splitlines() if line.startswith('Select '))
     peak_file = tmp_path / 'peak'
-    # the harness sets the cap when the first epoch starts, as the probe sets it once the model is built
-    trained = run_script('tests/train/oom_cap_train.py', '-c', config, '--output', tmp_path / 'runs', '--experiment',
-                         'promise', cwd=tmp_path, env={'OOM_CAP_MB': str(BUDGET_MIB), 'OOM_PEAK_FILE': str(peak_file)})
+    flags = tuned_flags(config)
+    assert '--steady-cpu-heap' in flags, 'the trials measured the steady heap: the train command must train on it'
+    # the train command as printed, its cap set only when the first epoch starts (as the probe sets it once the model
+    # is built): a cap that comes after the start, as prlimit or another process taking the rest would bring it
+    trained = run_script('tests/train/oom_cap_train.py', '-c', config, *flags, '--output', tmp_path / 'runs',
+                         '--experiment', 'promise', cwd=tmp_path, env={'OOM_CAP_MB': str(BUDGET_MIB), 'OOM_PEAK_FILE': str(peak_file)})
     log = trained.stdout + trained.stderr
     assert trained.returncode == 0, f'{probe_peak}\ntrain.py at -b {batch} under the same cap:\n{log[-3000:]}'
     assert log.count('Test: [') >= 2 and "can't allocate" not in log, 'an eval pass after each epoch'

@@ -4,9 +4,10 @@
 
 Environment:
     OOM_CAP_MB: memory the training may take above the process's data segment (VmData + VmStk) at the start of the
-        capped epoch. From the start a limit that binds nothing stands in for a run started under a cap (so the
-        steady heap is on, `timm_ext.distributed.init_device`). The cap is set there rather than at process start, so it measures the training step only and
-        does not depend on how much the imports of this machine's torch build take.
+        capped epoch. The cap is set there rather than at process start, so it measures the training step only and
+        does not depend on how much the imports of this machine's torch build take. The process runs uncapped until
+        then, as a run does whose cap comes after its start: only ``--steady-cpu-heap`` (on a tuned train command)
+        makes it peak as the probe's trials did.
     OOM_CAP_EPOCH: the first capped epoch (default 0); the cap stays until the process ends.
     OOM_CAP_RANKS: comma-separated ranks to cap (default: every rank).
     OOM_PEAK_FILE: write the peak data segment above the first epoch's start (bytes, sampled, highest over the
@@ -49,9 +50,5 @@ def capped_train_one_epoch(self, epoch, loader, start_update=0):
 
 
 TrainLoop.train_one_epoch = capped_train_one_epoch
-if 'OOM_CAP_MB' in os.environ:
-    # a run under a cap from its start, as train.py is when started under prlimit: a limit that binds nothing yet makes
-    # init_device fix the steady heap, so this run peaks as the probe's trials did (the epoch's cap comes on top)
-    resource.setrlimit(resource.RLIMIT_DATA, (1 << 50, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 sys.argv = [str(REPO_ROOT / 'train.py'), *sys.argv[1:]]
 runpy.run_path(str(REPO_ROOT / 'train.py'), run_name='__main__')

@@ -230,8 +230,9 @@ def test_errors_other_than_oom_are_not_swallowed():
 
 def run_capped(*args, cap_mb=None, cap_epoch=0, cap_ranks=None, nproc=1, timeout=300):
     env = {**os.environ, **CAP_ENV, 'PYTHONPATH': str(REPO_ROOT)}
-    if cap_mb is not None:
+    if cap_mb is not None:  # a capped run's heap, as tune_batch.py's train command for a CPU budget has it
         env.update(OOM_CAP_MB=str(cap_mb), OOM_CAP_EPOCH=str(cap_epoch))
+        args = (*args, '--steady-cpu-heap')
     if cap_ranks is not None:
         env['OOM_CAP_RANKS'] = cap_ranks
     launcher = [sys.executable] if nproc == 1 else [

@@ -15,8 +15,8 @@ from timm_ext.train.args import (
     read_config,
 )
 
-EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'log_noise_scale', 'no_safetensors', 'batch_ramp', 'batch_ramp_factor',
-                   'batch_ramp_max', 'batch_ramp_max_micro', 'batch_ramp_min_updates'}
+EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'steady_cpu_heap', 'log_noise_scale', 'no_safetensors', 'batch_ramp',
+                   'batch_ramp_factor', 'batch_ramp_max', 'batch_ramp_max_micro', 'batch_ramp_min_updates'}
 
 
 @pytest.fixture(scope='module')
@@ -71,8 +71,8 @@ def test_parsed_defaults_equal_stock(spec):
         value, want = parsed[entry['dest']], entry['default']
         assert value == want and type(value) is type(want), f"{entry['dest']}: {value!r} != stock {want!r}"
     assert {k: parsed[k] for k in EXTENSION_DESTS} == {
-        'oom_recover': False, 'oom_grow_back': None, 'log_noise_scale': False, 'no_safetensors': False,
-        'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None, 'batch_ramp_max_micro': None,
+        'oom_recover': False, 'oom_grow_back': None, 'steady_cpu_heap': False, 'log_noise_scale': False,
+        'no_safetensors': False, 'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None, 'batch_ramp_max_micro': None,
         'batch_ramp_min_updates': None}
 
 

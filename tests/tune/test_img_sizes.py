@@ -27,7 +27,7 @@ from timm_ext.tune.img_sizes import (
     probe_schedule, scaled_start, schedule_inputs, schedule_mode, shape_cache_note, size_trial_args,
 )
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, run_script, tuned_flags
 
 SIZES = ['--train-img-sizes', '32', '48', '64']
 
@@ -216,8 +216,8 @@ def scheduled(tmp_path_factory, folder):
 
 def capped_train(tmp_path: Path, config: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     """train.py from the config under the probe's cap (set when the epoch starts: `tests/train/oom_cap_train.py`)."""
-    return run_script('tests/train/oom_cap_train.py', '-c', config, '--output', tmp_path / 'runs', '--experiment',
-                      name, '--epochs', '3', *extra, env={'OOM_CAP_MB': str(BUDGET_MIB), **CPU_ENV}, cwd=tmp_path)
+    return run_script('tests/train/oom_cap_train.py', '-c', config, *tuned_flags(config), '--output',
+                      tmp_path / 'runs', '--experiment', name, '--epochs', '3', *extra, env={'OOM_CAP_MB': str(BUDGET_MIB), **CPU_ENV}, cwd=tmp_path)
 
 
 @linux_only

@@ -30,6 +30,7 @@ def test_estimate_plans_a_cuda_run_on_32_gpus_without_a_gpu_or_the_data(tmp_path
     assert values['validation_batch_size'] > values['batch_size']  # train.py's eval, forward only, from its estimate
     assert '# Estimate (no real trial ran)' in text
     assert '--nnodes=4' in out and '--nproc-per-node=8' in out
+    assert '--steady-cpu-heap' not in out  # a CUDA plan: glibc's heap is not what the budget counts
 
 
 def test_estimate_on_cpu_prints_the_per_batch_table_by_category(tmp_path):
@@ -39,6 +40,8 @@ def test_estimate_on_cpu_prints_the_per_batch_table_by_category(tmp_path):
     head = next(line for line in done.stdout.splitlines() if line.strip().startswith('batch'))
     for category in ('weights', 'gradients', 'optimizer', 'activations', 'temporaries', 'runtime', 'peak'):
         assert category in head
+    command = next(line for line in done.stdout.splitlines() if line.startswith('Train command: '))
+    assert command.endswith(' --steady-cpu-heap')  # the heap the CPU estimate's runtime constant was measured on
 
 
 @pytest.mark.parametrize('extra, needle', [

@@ -484,6 +484,10 @@ def _add_extension_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--oom-grow-back', type=int, default=None, metavar='N',
                        help='after an OOM shrink, try the larger micro-batch again after N good steps '
                             '(default: never)')
+    group.add_argument('--steady-cpu-heap', action='store_true', default=False,
+                       help='CPU: fix glibc\'s mmap threshold, so the run peaks as tune_batch.py\'s trials measured '
+                            'whenever a memory cap comes (slower; tune_batch.py adds it under a CPU --mem-budget; on '
+                            'by default under a data-segment limit set before the start)')
     group.add_argument('--log-noise-scale', action='store_true', default=False,
                        help='estimate and log the gradient noise scale (critical batch size)')
     group.add_argument('--batch-ramp', action='store_true', default=False,
