@@ -271,6 +271,35 @@ def test_a_capped_cpu_run_hands_freed_blocks_back_so_its_peak_is_the_same_in_eve
     assert kept('flag') < 1 << 20  # and with --steady-cpu-heap, which a train command tuned under a CPU budget has
 
 
+FREE_HEAP_THEN_A_BLOCK = textwrap.dedent('''
+    import sys
+    import torch
+    from timm_ext.memory import data_and_stack, free_heap_held, steady_cpu_heap
+    torch.ones(1 << 20)  # a freed 4 MiB mapping: glibc's dynamic threshold rises above it
+    blocks = [torch.ones(1 << 20) for _ in range(16)]  # so these 64 MiB come from the heap
+    del blocks[:-1]  # freed below the last, they stay heap a later block can take without the data segment growing
+    steady_cpu_heap()
+    with free_heap_held() if sys.argv[1] == 'held' else open('/dev/null') as held:
+        before = data_and_stack()
+        block = torch.ones(1 << 20)  # 4 MiB
+        print(data_and_stack() - before, held if sys.argv[1] == 'held' else 0)
+''')
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='glibc and /proc')
+def test_a_trial_in_a_process_with_free_heap_counts_its_blocks_as_a_fresh_process_would():
+    def grown(how):
+        done = subprocess.run([sys.executable, '-c', FREE_HEAP_THEN_A_BLOCK, how], capture_output=True, text=True,
+                              env={'PYTHONPATH': str(REPO_ROOT), 'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin'},
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [int(word) for word in done.stdout.split()[-2:]]
+
+    assert grown('free')[0] < 1 << 20  # the 4 MiB came from free heap: a trial there would read near zero
+    block, held = grown('held')
+    assert block >= 4 << 20 and held >= 32 << 20  # the free heap held, the block is new memory, as in a fresh process
+
+
 def test_a_run_tuned_under_a_cpu_budget_trains_on_the_heap_its_trials_measured():
     glibc = memory_module._glibc() is not None
     assert memory_module.trains_on_steady_heap('cpu', True) is glibc

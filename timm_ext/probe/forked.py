@@ -132,8 +132,10 @@ def isolate_trials(device: torch.device) -> bool:
     """Whether the probe's trials on `device` run in forks of this process (`run_forked`).
 
     CPU trials do, where a fork can still run autograd. A caller that has run a backward pass before (a notebook,
-    a larger script) cannot fork them: there they run in this process, which keeps what earlier trials left in its
-    heap and oneDNN's caches, so their peaks can only read high (a smaller batch, never one that does not hold).
+    a larger script) cannot fork them: there they run in this process. Its free heap is held while each trial runs
+    (`timm_ext.memory.free_heap_held`), so their blocks count as new memory as in a fork (test_resnet at 64 px: within
+    5% of a fresh process's peaks); what oneDNN caches of earlier trials' shapes stays, so with oneDNN on their peaks
+    can only read high (a smaller batch, never one that does not hold).
     """
     if device.type != 'cpu':
         return False
@@ -142,7 +144,7 @@ def isolate_trials(device: torch.device) -> bool:
     if not _IN_PROCESS_NOTE[0]:
         _IN_PROCESS_NOTE[0] = True
         _logger.info('Probe trials run in this process: it has run a backward pass, and torch refuses autograd in '
-                     'processes forked after one (peaks may read high).')
+                     'processes forked after one (with oneDNN on, peaks may read high).')
     return False
 
 

@@ -4,6 +4,7 @@
 meter reset before, warm-up then timed steps, an OOM told apart from other errors (`timm_ext.oom`), and memory freed
 after a failure too, so every trial starts from the state the first one did.
 """
+import contextlib
 import math
 import time
 import traceback
@@ -11,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..memory import PeakMeter, free_memory, free_memory_after_failure
+from ..memory import PeakMeter, free_heap_held, free_memory, free_memory_after_failure
 from ..oom import is_oom
 from .forked import run_forked
 from .table import ERROR, FIT, OOM, Trial, TrialFn
@@ -44,10 +45,8 @@ def measured_trial(
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
     The trial frees memory, resets the peak meter, runs `warmup_steps` then `timed_steps` steps (peak covers all),
-    and reports fit, OOM or error. The step time is the fastest timed step, as `timeit` advises: on a shared
-    machine the slower ones were disturbed by other work, not made slower by the batch. On a failure the
-    traceback's frames are cleared and memory freed before returning, so the next trial starts from the same state
-    as the first.
+    and reports fit, OOM or error. The step time is the fastest timed step, as `timeit` advises (on a shared machine
+    the slower ones were disturbed). A failure's frames are cleared and memory freed: each trial starts alike.
 
     Args:
         step: Runs one step at a batch size; OOMs and other errors propagate out of it.
@@ -72,6 +71,10 @@ def measured_trial(
         if before is not None:
             before()
         free_memory(device)
+        with free_heap_held() if device.type == 'cpu' else contextlib.nullcontext():
+            return measure(batch_size)
+
+    def measure(batch_size: int) -> Trial:
         meter.reset()
         try:
             if benchmark_warmup:
