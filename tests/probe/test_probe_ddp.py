@@ -99,7 +99,7 @@ def test_tune_batch_under_a_two_node_torchrun_prints_the_two_node_train_command(
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id) == (
         '2', '1', 'c10d', endpoint, 'tune15')
     assert parsed.training_script == str(REPO_ROOT / 'train.py')
-    assert parsed.training_script_args == ['-c', str(config)]
+    assert parsed.training_script_args == ['-c', str(config), '--steady-cpu-heap']  # a CPU budget: the trials' heap
     assert f'Train with: {commands[0]}' in config.read_text()
 
 
