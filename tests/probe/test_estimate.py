@@ -11,13 +11,14 @@ import torch.nn as nn
 from timm.models import register_model
 
 from conftest import REPO_ROOT
-from timm_ext.memory import PeakMeter, data_and_stack, steady_cpu_heap
+from timm_ext.memory import PeakMeter, data_and_stack, memory_cap, steady_cpu_heap
 from timm_ext.probe.device_memory import CPU_ESTIMATE_MARGIN
 from timm_ext.probe.estimate import TRACE_BATCHES, EstimateError, _traced_reply, estimate_memory, in_child
 from timm_ext.probe.forked import fork_runs_autograd, isolate_trials
 from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
 from timm_ext.probe.measure import measured_trial
 from timm_ext.probe.trial import build_train_trial
+from timm_ext.probe.trial_host import hosted_trials
 from timm_ext.train.args import parse_args
 
 CPU = torch.device('cpu')
@@ -83,14 +84,16 @@ def test_the_tracker_counts_a_known_step_exactly():
 
 
 def _measured_peaks(model: str) -> dict:
-    """Real CPU trials as the probe makes them (steady heap, here oneDNN off), batch -> peak bytes; forked where this
-    process can fork them, else in it (`isolate_trials`)."""
+    """Real CPU trials as the probe makes them (steady heap, here oneDNN off, under a cap far above the step):
+    forked from this process where it can fork them, else from a trial host (`hosted_trials`)."""
     steady_cpu_heap()
     torch.backends.mkldnn.enabled = False
     setup = build_train_trial(run_args('--model', model, '--img-size', '64'), CPU)
-    trial = measured_trial(setup.step, CPU, PeakMeter(CPU, data_and_stack()), warmup_steps=1, timed_steps=1,
-                           before=setup.reset, isolate=isolate_trials(CPU))
-    return {b: trial(b).peak_bytes for b in (16, 48)}
+    with hosted_trials(setup) as host, memory_cap(CPU, 4 << 30) as cap:
+        trial = host.trial(cap.budget) if host else measured_trial(
+            setup.step, CPU, PeakMeter(CPU, cap.baseline), warmup_steps=1, capped=True, before=setup.reset,
+            isolate=isolate_trials(CPU), warmup=setup.warmup)
+        return dict(hosted=host is not None, peaks={b: trial(b).peak_bytes for b in (16, 48)})
 
 
 def _use_the_process() -> None:
@@ -102,7 +105,7 @@ def _use_the_process() -> None:
 
 
 MEASURE = 'import json, sys\nimport test_estimate as t\nif sys.argv[2] == "used":\n    t._use_the_process()\n' \
-          'print(json.dumps(dict(forks=t.fork_runs_autograd(), peaks=t._measured_peaks(sys.argv[1]))))'
+          'print(json.dumps(dict(forks=t.fork_runs_autograd(), **t._measured_peaks(sys.argv[1]))))'
 
 
 def measured_in_a_new_process(model: str, history: str = 'fresh') -> dict:
@@ -126,10 +129,10 @@ def test_a_measured_trial_is_not_predicted_below_its_peak_by_more_than_the_margi
 
 
 def test_trials_measure_the_same_peaks_whatever_the_process_did_before():
-    # in a used process the trials run in it (no fork can run autograd) and its free heap would serve their blocks:
-    # without free_heap_held they read 0.3 MB at both batches, here a fresh process reads 26 and 61 MB
+    # a used process cannot fork trials that run autograd; run in it, its free heap served their blocks and they read
+    # 0.3 MB at both batches (free heap held: 17 MB at batch 16) where a fresh process reads 28 and 61 MB
     fresh, used = measured_in_a_new_process('test_resnet'), measured_in_a_new_process('test_resnet', 'used')
-    assert fresh['forks'] and not used['forks']
+    assert (fresh['forks'], fresh['hosted'], used['forks'], used['hosted']) == (True, False, False, True)
     for batch_size, peak in fresh['peaks'].items():
         assert used['peaks'][batch_size] == pytest.approx(peak, rel=0.05), batch_size
 

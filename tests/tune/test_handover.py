@@ -70,11 +70,10 @@ def test_the_probe_chooses_a_holding_batch_in_a_process_that_has_run_a_backward(
                               capture_output=True, text=True, timeout=600, cwd=tmp_path,
                               env={**os.environ, 'TIMM_EXT_CACHE_DIR': str(tmp_path / when)})
         assert done.returncode == 0, done.stderr[-3000:]
-        assert ('Probe trials run in this process' in done.stderr) == (when == 'after')
+        assert ('Probe trials run in a fresh interpreter' in done.stderr) == (when == 'after')
         return yaml.safe_load(config.read_text())['batch_size']
 
-    clean, after = tuned('clean'), tuned('after')
-    assert 1 <= after <= clean  # in-process peaks can only read high
+    assert tuned('after') == tuned('clean')  # the host's trials are a fresh process's
 
 
 def test_nothing_of_the_probe_is_alive_when_training_starts(tmp_path, image_folder, monkeypatch):

@@ -132,10 +132,9 @@ def isolate_trials(device: torch.device) -> bool:
     """Whether the probe's trials on `device` run in forks of this process (`run_forked`).
 
     CPU trials do, where a fork can still run autograd. A caller that has run a backward pass before (a notebook,
-    a larger script) cannot fork them: there they run in this process. Its free heap is held while each trial runs
-    (`timm_ext.memory.free_heap_held`), so their blocks count as new memory as in a fork (test_resnet at 64 px: within
-    5% of a fresh process's peaks); what oneDNN caches of earlier trials' shapes stays, so with oneDNN on their peaks
-    can only read high (a smaller batch, never one that does not hold).
+    a larger script) cannot fork them: the probe then runs them in a fresh interpreter
+    (`timm_ext.probe.trial_host`), and only a trial no other process can build runs in this one, its peaks
+    depending on what this process did before (its free heap serves part of the step's blocks).
     """
     if device.type != 'cpu':
         return False
@@ -143,8 +142,9 @@ def isolate_trials(device: torch.device) -> bool:
         return True
     if not _IN_PROCESS_NOTE[0]:
         _IN_PROCESS_NOTE[0] = True
-        _logger.info('Probe trials run in this process: it has run a backward pass, and torch refuses autograd in '
-                     'processes forked after one (with oneDNN on, peaks may read high).')
+        _logger.warning('Probe trials run in this process: it has run a backward pass, which forked trials cannot '
+                        'follow, and no fresh interpreter can build its trial; their peaks depend on what it did '
+                        'before (probe from a fresh process to be sure).')
     return False
 
 

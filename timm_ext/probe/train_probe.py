@@ -21,6 +21,7 @@ from .search import search_batch_size
 from .selection import Selection, headroom_accept, select_batch_size
 from .table import ERROR, Trial, TrialError, TrialFn
 from .trial import TrainTrialSetup
+from .trial_host import TrialHost, hosted_trials
 
 __all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'nothing_fits_advice']
 
@@ -90,47 +91,52 @@ def probe_train_batch(
         NothingFitsError / TrialError: see `select_batch_size`; the message names the budget and the run.
     """
     device = setup.device
-    isolate = isolate_trials(device)  # CPU trials in forked processes, CUDA trials here
-    if not isolate:
-        check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
-    # resolved after that first update: what it took outside the allocator is no longer free for the budget
-    budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
-    context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
-    with memory_cap(device, budget_bytes) as cap:
-        budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
-        trial: TrialFn = measured_trial(
-            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
-            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
-            benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark)
-        trial = agree_across_ranks(trial)
-        # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
-        accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
-        grid = grid or default_grid(device.type)
-        trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
-                                   peak_limit=accept.limit, prior=prior)
-        if select == 'throughput':
-            trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
-    if isolate and not any(t.accepted for t in trials):
-        # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
-        check_step_runs(setup, start)
-    selection = select_batch_size(trials, select, throughput_tol, context)
-    # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
-    chosen = smallest_over_ranks(selection.batch_size, device)
-    if chosen != selection.batch_size:
-        pick = next(t for t in trials if t.batch_size == chosen)
-        selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
+    with hosted_trials(setup) as host:  # CPU trials of a process that cannot fork them: in a fresh interpreter
+        isolate = host is not None or isolate_trials(device)  # CPU trials in forked processes, CUDA trials here
+        if not isolate:
+            check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
+        # resolved after that first update: what it took outside the allocator is no longer free for the budget
+        budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
+        context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
+        with memory_cap(device, budget_bytes) as cap:
+            budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
+            if host is not None:
+                trial: TrialFn = host.trial(budget_bytes, timed_steps)
+            else:
+                trial = measured_trial(
+                    setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
+                    capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
+                    benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled
+                    and torch.backends.cudnn.benchmark)
+            trial = agree_across_ranks(trial)
+            # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
+            accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
+            grid = grid or default_grid(device.type)
+            trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
+                                       peak_limit=accept.limit, prior=prior)
+            if select == 'throughput':
+                trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
+        if isolate and not any(t.accepted for t in trials):
+            # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
+            check_step_runs(setup, start, host)
+        selection = select_batch_size(trials, select, throughput_tol, context)
+        # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
+        chosen = smallest_over_ranks(selection.batch_size, device)
+        if chosen != selection.batch_size:
+            pick = next(t for t in trials if t.batch_size == chosen)
+            selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
     return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
 
 
-def check_step_runs(setup: TrainTrialSetup, start: int = 2) -> None:
+def check_step_runs(setup: TrainTrialSetup, start: int = 2, host: Optional[TrialHost] = None) -> None:
     """One uncapped trial at a tiny batch (all ranks together): a step that fails without any cap is the run's own
     failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles.
 
     Raises:
         TrialError: The step fails; one line naming the run.
     """
-    uncapped = agree_across_ranks(measured_trial(setup.step, setup.device, before=setup.reset,
-                                                 isolate=isolate_trials(setup.device)))
+    uncapped = agree_across_ranks(host.trial(None) if host is not None else measured_trial(
+        setup.step, setup.device, before=setup.reset, isolate=isolate_trials(setup.device)))
     check = uncapped(min(start, 2))
     if check.status == ERROR:
         raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '

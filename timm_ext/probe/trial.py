@@ -100,6 +100,9 @@ class TrainTrialSetup:
         world_size: Ranks the eval split is shared over.
         train_step: The training update (`step` of a training trial; kept when `eval_trials` replaces `step`).
         train_batch: Eval-batch trials only: the run's training micro-batch, trained at around the eval pass.
+        args: train.py's arguments the setup was built from, so that another process can build it again
+            (`timm_ext.probe.trial_host`); None for a setup built otherwise.
+        phase: 'train', or 'eval' for `eval_trials`.
     """
     step: Callable[[int], None]
     reset: Callable[[], None]
@@ -114,6 +117,8 @@ class TrainTrialSetup:
     world_size: int = 1
     train_step: Optional[Callable[[int], None]] = None
     train_batch: Optional[int] = None
+    args: Optional[argparse.Namespace] = None
+    phase: str = 'train'
 
     def warmup(self, batch_size: int) -> None:
         """The trial's untimed first part, train.py's epoch boundary: a training trial runs one update, then the eval
@@ -146,6 +151,7 @@ class TrainTrialSetup:
             raise ValueError('this setup was built without an evaluation step')
         return dataclasses.replace(self, step=self.eval_step, input_size=self.eval_input_size,
                                    eval_forward=self.eval_forward if train_batch else None, train_batch=train_batch,
+                                   phase='eval',
                                    describe=f'{self.describe}; evaluation forward (no gradients) at input '
                                             f'{"x".join(map(str, self.eval_input_size))}'
                                             + (f' between updates at batch {train_batch}' if train_batch else ''))
@@ -197,7 +203,7 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
     forward = trial_eval_forward(args, stack, eval_input_size, device)
     return TrainTrialSetup(step, reset, tuple(input_size), _describe_trial(args, stack, input_size, compile_mode),
                            device, trial_eval_step(stack, step, forward), eval_input_size, forward,
-                           args.validation_batch_size, None, max(1, args.world_size), step)
+                           args.validation_batch_size, None, max(1, args.world_size), step, args=args)
 
 
 def _describe_trial(args: argparse.Namespace, stack: TrainingStack, input_size: Tuple[int, ...],
