@@ -93,8 +93,8 @@ class TrialHost:
         parent_read, host_write = os.pipe()
         env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get('PYTHONPATH')]))}
         self._process = subprocess.Popen(
-            [sys.executable, '-c', 'from timm_ext.probe.trial_host import serve; serve()', str(host_read),
-             str(host_write), str(os.getpid())], pass_fds=(host_read, host_write), env=env)
+            [sys.executable, '-m', 'timm_ext.probe.trial_host', str(host_read), str(host_write), str(os.getpid())],
+            pass_fds=(host_read, host_write), env=env)
         os.close(host_read)
         os.close(host_write)
         self._requests = Connection(parent_write, readable=False)
@@ -163,7 +163,8 @@ def _run(setup: TrainTrialSetup, batch_size: int, budget: Optional[int], timed_s
 
 
 def serve() -> None:
-    """The host's main loop (`python -c` with the request and reply descriptors and the parent's pid as arguments)."""
+    """The host's main loop (`python -m timm_ext.probe.trial_host` with the request and reply descriptors and the
+    parent's pid as arguments)."""
     read_fd, write_fd, parent = map(int, sys.argv[1:4])
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides on a Ctrl-C and stops this host
@@ -181,3 +182,7 @@ def serve() -> None:
             replies.send(_run(setup, batch_size, budget, timed_steps).to_dict())
     except EOFError:  # the parent closed its end: done
         return
+
+
+if __name__ == '__main__':
+    serve()
