@@ -259,7 +259,8 @@ def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace
     config_path = args.tuned_config or default_config_path(args)
     topology = planned_topology(args.nnodes, args.nproc)
     values = {} if planned.eval_batch is None else {'validation_batch_size': planned.eval_batch}
-    config = tuned_config(with_measured_heap(args, args.device), parser, planned.plans[0].plan, config_path, SCRIPT_DIR, args.nproc, topology, values)
+    config = tuned_config(with_measured_heap(args, args.device), parser, planned.plans[0].plan, config_path,
+                          SCRIPT_DIR, args.nproc, topology, values)
     notes = [] if topology is None else [
         f'Run the command on each of the {args.nnodes} nodes, MASTER_HOST set to the first node\'s address.']
     write_tuned_config(config, planned.lines, notes)
@@ -281,7 +282,6 @@ def load_train_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
 
 
 if __name__ == '__main__':
