@@ -66,8 +66,8 @@ def family(model: str) -> str:
 
 def select_rows(repo: str) -> List[dict]:
     """Pick the data file's rows from a timm checkout: per table and family, the smallest model the decay reached and
-    for inference (and `SECOND_TRAIN_ROWS` training families) the median one, every decayed row of the atlas's models (`bench_atlas.MODELS`), and a few rows
-    at the start value."""
+    for inference (and `SECOND_TRAIN_ROWS` training families) the median one, every decayed row of the atlas's models
+    (`bench_atlas.MODELS`), and a few rows at the start value."""
     import subprocess
     import timm
     from timm.utils import decay_batch_step

@@ -52,7 +52,8 @@ def test_the_chosen_micro_batch_trains_two_epochs_with_eval_and_checkpoints_unde
     # the train command as printed, its cap set only when the first epoch starts (as the probe sets it once the model
     # is built): a cap that comes after the start, as prlimit or another process taking the rest would bring it
     trained = run_script('tests/train/oom_cap_train.py', '-c', config, *flags, '--output', tmp_path / 'runs',
-                         '--experiment', 'promise', cwd=tmp_path, env={'OOM_CAP_MB': str(BUDGET_MIB), 'OOM_PEAK_FILE': str(peak_file)})
+                         '--experiment', 'promise', cwd=tmp_path,
+                         env={'OOM_CAP_MB': str(BUDGET_MIB), 'OOM_PEAK_FILE': str(peak_file)})
     log = trained.stdout + trained.stderr
     assert trained.returncode == 0, f'{probe_peak}\ntrain.py at -b {batch} under the same cap:\n{log[-3000:]}'
     assert log.count('Test: [') >= 2 and "can't allocate" not in log, 'an eval pass after each epoch'

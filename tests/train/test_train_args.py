@@ -72,7 +72,8 @@ def test_parsed_defaults_equal_stock(spec):
         assert value == want and type(value) is type(want), f"{entry['dest']}: {value!r} != stock {want!r}"
     assert {k: parsed[k] for k in EXTENSION_DESTS} == {
         'oom_recover': False, 'oom_grow_back': None, 'steady_cpu_heap': False, 'log_noise_scale': False,
-        'no_safetensors': False, 'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None, 'batch_ramp_max_micro': None,
+        'no_safetensors': False, 'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None,
+        'batch_ramp_max_micro': None,
         'batch_ramp_min_updates': None}
 
 

@@ -217,7 +217,8 @@ def scheduled(tmp_path_factory, folder):
 def capped_train(tmp_path: Path, config: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     """train.py from the config under the probe's cap (set when the epoch starts: `tests/train/oom_cap_train.py`)."""
     return run_script('tests/train/oom_cap_train.py', '-c', config, *tuned_flags(config), '--output',
-                      tmp_path / 'runs', '--experiment', name, '--epochs', '3', *extra, env={'OOM_CAP_MB': str(BUDGET_MIB), **CPU_ENV}, cwd=tmp_path)
+                      tmp_path / 'runs', '--experiment', name, '--epochs', '3', *extra,
+                      env={'OOM_CAP_MB': str(BUDGET_MIB), **CPU_ENV}, cwd=tmp_path)
 
 
 @linux_only

@@ -27,8 +27,8 @@ def _segment(segment: Segment, expandable: bool) -> dict:
     blocks = [dict(address=b.address, size=b.size, requested_size=b.requested if b.live else 0,
                    state='active_allocated' if b.live else 'inactive', frames=_frames(b.tag)) for b in segment.blocks]
     allocated = sum(b.size for b in segment.blocks if b.live)
-    return dict(device=0, address=segment.address, total_size=segment.size, allocated_size=allocated, active_size=allocated,
-                requested_size=sum(b['requested_size'] for b in blocks), stream=0,
+    return dict(device=0, address=segment.address, total_size=segment.size, allocated_size=allocated,
+                active_size=allocated, requested_size=sum(b['requested_size'] for b in blocks), stream=0,
                 segment_type='small' if segment.small else 'large', segment_pool_id=(0, 0),
                 is_expandable=expandable, frames=[], blocks=blocks)
 

@@ -65,7 +65,7 @@ def _host_spec(setup: TrainTrialSetup) -> Optional[_HostSpec]:
         return None
     try:
         model_module = timm.models.model_entrypoint(timm.models.get_arch_name(setup.args.model)).__module__
-    except (KeyError, RuntimeError, ValueError):  # not a registered name (a hub model): the host resolves it as train.py does
+    except (KeyError, RuntimeError, ValueError):  # not a registered name (a hub model): the host resolves it too
         model_module = None
     if model_module == '__main__':  # a model defined in a script or notebook cell: nothing to import it from
         return None
