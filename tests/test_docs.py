@@ -186,13 +186,16 @@ def test_every_named_flag_exists_in_the_parser_of_its_script(page):
 
 def test_the_check_reports_a_flag_that_is_not_there():
     # a made-up flag, and a real flag of another script: both reported, a real one of the named script is not
-    text = '```bash\npython train.py --batch-ramp --no-such-flag\npython validate.py --retry\npython train.py --retry\n```\n'
+    text = ('```bash\npython train.py --batch-ramp --no-such-flag\npython validate.py --retry\n'
+            'python train.py --retry\n```\n')
     assert unknown_flags(text, ()) == [(2, '--no-such-flag', ('train.py',)), (4, '--retry', ('train.py',))]
     # prose: the named script and the scope's; a continued command is one line
-    prose = 'train.py turns on --log-noise-scale, and validate.py has --retry\n```bash\npython train.py \\\n  --gone\n```\n'
+    prose = ('train.py turns on --log-noise-scale, and validate.py has --retry\n'
+             '```bash\npython train.py \\\n  --gone\n```\n')
     assert unknown_flags(prose, ('train.py',)) == [(3, '--gone', ('train.py',))]
     # the scope comment moves the default, and a skipped region is not read
-    scoped = '<!-- flags: validate.py -->\n--retry --epochs\n<!-- docs-test: skip -->\n--gone\n<!-- docs-test: end -->\n'
+    scoped = ('<!-- flags: validate.py -->\n--retry --epochs\n<!-- docs-test: skip -->\n--gone\n'
+              '<!-- docs-test: end -->\n')
     assert unknown_flags(scoped, ('train.py',)) == [(2, '--epochs', ('validate.py',))]
 
 

@@ -1,7 +1,8 @@
 """Elastic resume: --resume on another world size keeps the checkpoint's global batch, LR and place in the epoch.
 
 Pure planning first (`timm_ext.train.elastic`), then train.py on gloo ranks: 2 ranks -> 1 rank -> 2 ranks, the last
-resume inside an epoch, each run resumed with the previous run's own args.yaml as a user would; then a layout the user sets.
+resume inside an epoch, each run resumed with the previous run's own args.yaml as a user would; then a layout the user
+sets.
 """
 import csv
 import os
