@@ -220,6 +220,8 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     if tuned.size_batches is not None:
         values['train_batch_sizes'] = tuned.size_batches
     flags = ['--batch-ramp-max-micro', str(tuned.ramp_max_micro)] if tuned.ramp_max_micro is not None else []
+    if tuned.outcome is None and not args.oom_recover:
+        flags.append('--oom-recover')  # no trial ran: train.py's first update is the trial (`timm_ext.tune.untried`)
     topology = current_topology() if args.distributed else None  # the launch training must repeat
     config = tuned_config(train_args, parser, tuned.plan, config_path, SCRIPT_DIR, world_size, topology, values, flags)
     command = config.command

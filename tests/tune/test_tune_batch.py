@@ -19,7 +19,7 @@ from timm_ext.tune.tuned_config import (
     config_values, extension_flags, planned_command, tuned_config, tuned_config_text, write_tuned_config,
 )
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, run_script, tuned_flags
 from timm_ext.synthetic_data import make_image_folder
 
 pytestmark = pytest.mark.skipif(sys.platform != 'linux', reason='CPU memory caps need Linux')
@@ -379,7 +379,7 @@ def planned(config: Path) -> tuple:
     (['--target-global-batch', '12'], 12),
 ])
 def test_a_global_batch_set_on_the_command_line_is_kept_with_one_trial(dry_runs, batch_flags, global_batch):
-    out, config = dry_runs(*batch_flags)
+    out, config = dry_runs(*batch_flags, '--mem-budget', '96MiB')
     assert len(trial_lines(out)) == 1 and 'one trial, nothing to search' in out
     assert planned(config) == (global_batch, 1) and 'Kept it exactly' in out
     # one trial decides: no estimate is traced to aim it (it would aim nothing)
@@ -434,12 +434,27 @@ def test_a_global_batch_set_in_the_yaml_is_kept_and_split_when_it_does_not_fit(t
 def test_without_a_set_batch_a_short_run_keeps_stock_default_and_warns(tmp_path):
     data = make_image_folder(tmp_path / 'data', per_class=48)  # 144 training images: -b 128 fits as one batch
     config = tmp_path / 't.yaml'
-    out = report_of(tune(tmp_path, data, '--epochs', '2', '--tuned-config', config, '--dry-run'))
+    out = report_of(tune(tmp_path, data, '--epochs', '2', '--mem-budget', '1GiB', '--tuned-config', config,
+                         '--dry-run'))
     assert "stock train.py's default -b 128" in out and 'too short for tuning to pay off' in out
     assert planned(config) == (128, 1) and len(trial_lines(out)) == 1
     assert 'Plot:' not in out and not (tmp_path / 't.png').exists(), 'one trial is one point: no plot'
     warning = next(line for line in out.splitlines() if line.startswith('Warning:'))
     assert 'only 2 optimizer updates' in warning and '-b/--batch-size' in warning
+
+
+@pytest.mark.parametrize('flags, reason', [
+    ((), 'judging a bigger global batch cannot pay'),  # stock's default -b 128, 2 epochs of 144 images
+    (('-b', '32', '--grad-accum-steps', '2'), '--select auto keeps the global batch'),
+])
+def test_without_a_budget_on_the_cpu_the_recipe_trains_untried_with_oom_recovery(tmp_path, flags, reason):
+    data = make_image_folder(tmp_path / 'data', per_class=48)
+    config = tmp_path / 't.yaml'
+    out = report_of(tune(tmp_path, data, '--epochs', '2', *flags, '--tuned-config', config, '--dry-run'))
+    assert not trial_lines(out) and 'No trial: no --mem-budget on the CPU' in out and reason in out
+    global_batch = 128 if not flags else 64
+    assert planned(config) == (global_batch, 1)  # the recipe's global batch as one micro-batch
+    assert tuned_flags(config) == ['--oom-recover']  # train.py's first update is the trial
 
 
 def test_a_recipe_built_by_accumulation_is_not_made_bigger(tmp_path, image_folder):

@@ -43,10 +43,11 @@ from .img_sizes import (
     schedule_mode, shape_cache_note, size_trial_args,
 )
 from .plan import RunPlan, plan_global_batch, plan_run
+from .untried import untried_reason
 
 __all__ = [
     'ProbeRequest', 'Spent', 'TunedRun', 'lazy_estimate', 'default_config_path', 'probe_or_reuse',
-    'recipe_global_batch', 'choose_by_time',
+    'recipe_global_batch', 'choose_by_time', 'untried_run',
     'time_bigger_batches', 'plan_tuned_run', 'ramp_micro_limit', 'tune_schedule', 'plan_eval_batch', 'worth_a_plot',
     'report_lines', 'shown_report', 'summary_lines', 'EVAL_PROBE_MODES',
 ]
@@ -218,7 +219,7 @@ def probe_header(request: ProbeRequest, start: int, max_batch: int) -> str:
 @dataclass
 class TunedRun:
     """What tuning decided: the probe behind the micro-batch, the plan, the schedule changes and the report."""
-    outcome: ProbeOutcome
+    outcome: Optional[ProbeOutcome]  # None: no trial ran (`untried_run`)
     plan: RunPlan
     schedule: Dict[str, Any] = field(default_factory=dict)
     lines: List[str] = field(default_factory=list)
@@ -345,13 +346,18 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
     """
     budget = parse_budget(args.mem_budget or '1.0')
     grid = default_grid(device.type, args.batch_multiple)
-    setup = build_train_trial(args, device)
-    dataset_train, dataset_eval = build_datasets(args, 'RGB' if setup.input_size[0] == 3 else 'L')
-    setup.eval_samples = len(dataset_eval) if dataset_eval is not None else 0  # trials run train.py's eval shapes
+    channels = args.in_chans or (args.input_size[0] if args.input_size else 3)
+    dataset_train, dataset_eval = build_datasets(args, 'RGB' if channels == 3 else 'L')  # only their sizes are read
     train_samples = len(dataset_train)
     max_batch = min([train_samples // max(world_size, 1)] + ([args.max_batch] if args.max_batch else []))
     if max_batch < 1:
         raise SetupError(f'the training split has fewer samples ({train_samples}) than ranks ({world_size})')
+    recipe_global, set_by = recipe_global_batch(args, given, world_size)
+    untried = untried_reason(args, device, world_size, recipe_global, set_by, train_samples, max_batch)
+    if untried is not None:
+        return untried_run(args, world_size, recipe_global, set_by, untried, train_samples)
+    setup = build_train_trial(args, device)
+    setup.eval_samples = len(dataset_eval) if dataset_eval is not None else 0  # trials run train.py's eval shapes
     # one resolution for every probe of the run (and its cache keys), after a first step took what it takes outside
     # the allocator
     spent = Spent()
@@ -359,7 +365,6 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
                            os.path.splitext(config_path)[0] + '.trials.json', prior=lazy_estimate(args, device, spent),
                            spent=spent)
     del setup  # the request holds it; a schedule's probes release it while they probe the smaller sizes
-    recipe_global, set_by = recipe_global_batch(args, given, world_size)
     mode = schedule_mode(args, given)
     if mode in (EQUALISE, KEPT):
         tuned = tune_schedule(request, mode, max_batch, given)
@@ -395,6 +400,19 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
     tuned.spent = spent
     return tuned
+
+
+def untried_run(args: argparse.Namespace, world_size: int, recipe_global: int, set_by: str, reason: str,
+                train_samples: int) -> TunedRun:
+    """The recipe's global batch as one micro-batch a rank, planned with no trial (`timm_ext.tune.untried`): train.py
+    runs it with ``--oom-recover``, whose first update is the trial."""
+    plan = plan_run(args, math.ceil(recipe_global / world_size), world_size, recipe_global)
+    who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
+    lines = [f'The recipe\'s global batch {recipe_global} ({who}) trains as micro-batches of {plan.micro_batch}.', reason]
+    updates = args.epochs * updates_per_epoch(train_samples, plan.micro_batch, world_size, plan.accum_steps)
+    lines += [f'Warning: {w}.' for w in batch_warnings(plan.global_batch, updates, None)]
+    return TunedRun(None, plan, lines=lines, eval_lines=[
+        f'Eval batch: not probed (no trial ran); train.py evaluates at the micro-batch {plan.micro_batch}.'])
 
 
 def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Prior]:
@@ -531,7 +549,7 @@ def plan_eval_batch(request: ProbeRequest, tuned: TunedRun, eval_samples: int, e
 def worth_a_plot(tuned: TunedRun) -> bool:
     """A picture only where there is a curve to see: several trials that fit, or several global batches judged (one
     trial of the recipe's batch is one point, and drawing it would cost a short run more than it shows)."""
-    fits = {t.batch_size for t in tuned.outcome.trials if t.fits}
+    fits = {t.batch_size for t in tuned.outcome.trials if t.fits} if tuned.outcome is not None else set()
     return len(fits) > 1 or (tuned.choice is not None and len(tuned.choice.candidates) > 1)
 
 
@@ -545,17 +563,20 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
     terminal has them already when the probe ran there (`shown_report`).
     """
     outcome, plan = tuned.outcome, tuned.plan
-    sel = outcome.selection
-    lines = [
-        f'tune_batch.py: {outcome.describe}',
-        f'Budget {format_bytes(outcome.budget)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}.',
-        f'Select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
-        f'{format_bytes(sel.trial.peak_bytes)}).',
-    ]
-    if sel.caveat:
-        lines.append(f'Note: {sel.caveat}.')
-    lines += tuned.lines
-    if plan.micro_batch != sel.batch_size and tuned.size_batches is None:
+    if outcome is None:
+        lines = [f'tune_batch.py: model {args.model}, no trial', f'Budget none asked, on {args.device}.', *tuned.lines]
+    else:
+        sel = outcome.selection
+        lines = [
+            f'tune_batch.py: {outcome.describe}',
+            f'Budget {format_bytes(outcome.budget)} on {outcome.device_name}, headroom {args.mem_headroom:.0%}.',
+            f'Select {args.select}: micro-batch {sel.batch_size} ({sel.reason}; peak '
+            f'{format_bytes(sel.trial.peak_bytes)}).',
+        ]
+        if sel.caveat:
+            lines.append(f'Note: {sel.caveat}.')
+        lines += tuned.lines
+    if outcome is not None and plan.micro_batch != outcome.selection.batch_size and tuned.size_batches is None:
         lines.append(f'Micro-batch {plan.micro_batch} used to build the global batch.')
     if tuned.size_batches is not None:
         lines.append(f'Accumulation {plan.accum_steps} (--grad-accum-steps as given): {plan.reason}.')
@@ -574,7 +595,7 @@ def report_lines(tuned: TunedRun, args: argparse.Namespace, extras: List[str]) -
 def shown_report(tuned: TunedRun, report: List[str]) -> List[str]:
     """The report as the terminal shows it: without the header lines when the probe printed them as it started (a
     cached probe printed only its trials)."""
-    return report if tuned.outcome.cached else report[REPORT_HEADER_LINES:]
+    return report if tuned.outcome is None or tuned.outcome.cached else report[REPORT_HEADER_LINES:]
 
 
 def summary_lines(tuned: TunedRun) -> List[str]:
