@@ -505,6 +505,17 @@ def test_a_prior_aims_the_first_trial_and_one_peak_calibrates_it():
     assert best == (limit - 100) // 110  # 7: the largest within the limit by the true line
 
 
+def test_a_prior_whose_fixed_part_is_high_keeps_its_slope_through_the_measured_peak():
+    # test_vit 64 px under 96 MiB: the estimate's slope right, its fixed part 20 MiB high. Scaled through the first
+    # fit the slope dropped by the fit's ratio and the next aim ran out of memory (6 trials); kept, it lands
+    limit = 9100
+    run = _linear_trial(46, 1400, 9600)
+    trials = search_batch_size(run, 2, None, MultipleGrid(1), accept=lambda t: t.peak_bytes <= limit,
+                               peak_limit=limit, prior=(3400.0, 46.0))
+    assert trials[0].batch_size == 123 and trials[1].batch_size == (limit - 1400) // 46  # 167, at the limit
+    assert len(trials) <= 3 and not any(t.status == 'oom' for t in trials)
+
+
 def _counted(prior):
     calls = []
 
