@@ -59,6 +59,7 @@ from timm_ext.tune.img_sizes import format_size_table, schedule_mode
 from timm_ext.tune.tuned_config import extension_flags, planned_command, train_command, tuned_config, write_tuned_config
 from timm_ext.tune.plot import write_probe_plot
 from timm_ext.tune.estimate_plan import check_estimate_inputs, plan_with_estimate
+from timm_ext.tune.savers import SAVER_NAMES, apply_savers
 from timm_ext.tune.tuner import (
     EVAL_PROBE_MODES, default_config_path, plan_tuned_run, report_lines, shown_report, summary_lines, worth_a_plot,
 )
@@ -66,6 +67,15 @@ from timm_ext.tune.tuner import (
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 SELECTIONS = ('auto', 'critical') + SELECT_MODES
+
+
+class AppendSaver(argparse.Action):
+    """--apply-saver, repeatable: each use adds a name (argparse's 'append' cannot start from the sentinel default
+    `given_dests` parses with)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*(names if isinstance(names, list) else []), values])
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -116,6 +126,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
                             'may then list several sizes (24GiB,80GiB) for a table of what fits where')
     group.add_argument('--nnodes', type=int, default=1, metavar='N',
                        help='with --estimate: plan for N nodes of --nproc processes each (nothing is launched)')
+    group.add_argument('--apply-saver', action=AppendSaver, default=None, choices=SAVER_NAMES, metavar='NAME',
+                       help='plan with this memory saver on (repeatable) and write its stock flags into the config: '
+                            + ', '.join(SAVER_NAMES) + '; the plan\'s savers table prices each one')
     add_snapshot_argument(group)
     return parser
 
@@ -146,6 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     _check_tune_args(parser, args)
     prog = parser.prog
     try:
+        args, saver_notes = apply_savers(args, args.apply_saver or ())
+        print('\n'.join(saver_notes), end='\n' if saver_notes else '')
         args, ramp_line = with_noise_scale(args, int(os.environ.get('WORLD_SIZE', args.nproc)))
         if ramp_line and os.environ.get('RANK', '0') == '0':
             print(ramp_line)

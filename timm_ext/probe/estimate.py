@@ -216,13 +216,14 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                     for batch_size in batches:
                         tracker.reset_peak()
                         start = tracker.mark() if device.name == 'cuda' else 0
-                        with flops if batch_size == max(batches) else contextlib.nullcontext():
-                            step(batch_size)
+                        step(batch_size)
                         steps[batch_size] = start, tracker.mark() if device.name == 'cuda' else 0
                         order.append(steps[batch_size])
                         traced[batch_size] = dict(tracker.peak)
             finally:
                 tracker.remove_hooks()
+            with flops:  # a step of its own: the counter's module hooks would add ops to the tracked logs
+                step(max(batches))
     except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
         text = ' '.join(str(e).split())[:200]
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None

@@ -21,10 +21,10 @@ from ..probe.device_memory import MODELLED_DEVICE_TYPES, device_model, onednn_ru
 from ..probe.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
-from ..probe.train_probe import nothing_fits_advice
 from ..train.input_checks import resume_problem
 from ..train.setup import SetupError
 from .plan import RunPlan, plan_run
+from .savers import nothing_fits_advice, price_savers, savers_table
 from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 
 __all__ = ['EstimatedPlan', 'EstimatedRun', 'check_estimate_inputs', 'parse_budgets', 'plan_from_estimate',
@@ -198,10 +198,20 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     recipe_global, _ = recipe_global_batch(args, given, world_size)
     plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global, eval_estimate)
     lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc, eval_estimate)
+
+    def plan_for(saver_estimate: MemoryEstimate) -> Tuple[int, Optional[RunPlan]]:
+        first = plan_from_estimate(run_args, device_type, saver_estimate, budgets[:1], world_size, recipe_global)[0]
+        return first.micro_batch, first.plan
+
+    savers = price_savers(run_args, device_type, onednn, estimate, plan_for)
+    lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
     chosen = plans[0].plan
     if chosen is None:
         print('\n'.join(lines))
-        raise NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {nothing_fits_advice(args)}')
+        advice, details = nothing_fits_advice(savers)
+        error = NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {advice}')
+        error.details = details
+        raise error
     lines += ['', f'Plan for {plans[0].budget_text}, {world_size} rank(s): {chosen.split_line()}',
               f'LR: {chosen.lr_reason}']
     return EstimatedRun(estimate, plans, lines)
