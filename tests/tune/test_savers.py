@@ -158,3 +158,20 @@ def test_nothing_fits_error_lists_every_saver_and_the_cheapest_that_fits(tmp_pat
     expected = min(keeping or fitting, key=lambda line: int(re.search(r'([+-]\d+)% compute', line).group(1)))
     assert expected.strip().startswith(named + ':')
     assert not (tmp_path / 'n.yaml').exists()
+
+
+def test_a_probed_plan_that_accumulates_for_memory_prices_the_savers(tmp_path, image_folder):
+    config = tmp_path / 'probed.yaml'
+    done = run_script('tune_batch.py', '--data-dir', image_folder, '--model', 'test_resnet', '--num-classes', '3',
+                      '--img-size', '64', '--device', 'cpu', '--workers', '0', '--mem-budget', '40MiB', '-b', '16',
+                      '--dry-run', '--no-cache', '--tuned-config', config, '--output', tmp_path)
+    assert done.returncode == 0, done.stderr
+    values = yaml.safe_load(config.read_text())
+    assert values['grad_accum_steps'] > 1  # 16 at 64 px does not fit 40 MiB: a trial failed it
+    probed = re.search(r'The probe measured (\d+) for the run as it is, the estimate predicts (\d+)', done.stdout)
+    assert probed and int(probed.group(1)) == values['batch_size']
+    rows = dict(re.findall(r'^  (grad-checkpointing|amp-bfloat16|channels-last|smaller-img-size)\s+.*?\s(\d+)\s+\d+ x '
+                           r'\d+\s+[+-]\d+%', done.stdout, re.M))
+    assert set(rows) == {'grad-checkpointing', 'amp-bfloat16', 'channels-last', 'smaller-img-size'}
+    assert int(rows['smaller-img-size']) > int(probed.group(2))  # 48 px: fewer activations a sample
+    assert '# Memory savers, priced by the estimate' in config.read_text()  # the config's header holds the table

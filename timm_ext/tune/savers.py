@@ -23,7 +23,7 @@ from ..probe.estimate import MemoryEstimate, estimate_memory
 from ..train.setup import with_values
 from .plan import RunPlan
 
-__all__ = ['SAVER_NAMES', 'EXPANDABLE_CONF', 'Saver', 'PricedSaver', 'candidate_savers', 'apply_savers',
+__all__ = ['SAVER_NAMES', 'EXPANDABLE_CONF', 'PlanFor', 'Saver', 'PricedSaver', 'candidate_savers', 'apply_savers',
            'price_savers', 'savers_table', 'cheapest', 'nothing_fits_advice']
 
 SAVER_NAMES = ('amp-float16', 'amp-bfloat16', 'grad-checkpointing', 'channels-last', 'model-ema-force-cpu', 'opt-sgd',
