@@ -160,7 +160,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     prog = parser.prog
     try:
         args, saver_notes = apply_savers(args, args.apply_saver or ())
-        print('\n'.join(saver_notes), end='\n' if saver_notes else '')
+        for note in saver_notes:
+            print(note)
         args, ramp_line = with_noise_scale(args, int(os.environ.get('WORLD_SIZE', args.nproc)))
         if ramp_line and os.environ.get('RANK', '0') == '0':
             print(ramp_line)

@@ -18,7 +18,7 @@ import timm
 
 from ..cuda_memory.allocator import expandable_segments_asked
 from ..cuda_memory.replay import ReplayConfig
-from ..errors import TimmExtError
+from ..errors import TimmExtError, one_line
 from ..probe.estimate import MemoryEstimate, estimate_memory
 from ..train.setup import with_values
 from .plan import RunPlan
@@ -178,7 +178,7 @@ def price_savers(args: argparse.Namespace, device_type: str, onednn: bool, base:
             try:
                 estimate = estimate_memory(with_values(args, **saver.values), device_type, onednn)
             except TimmExtError as e:  # the model does not support it, or the step cannot be traced with it
-                rows.append(PricedSaver(saver, problem=str(e).split(': ', 1)[-1][:100]))
+                rows.append(PricedSaver(saver, problem=one_line(e)[:120]))
                 continue
         micro, plan = plan_for(estimate)
         extra = estimate.flops_per_sample / base.flops_per_sample - 1 if base.flops_per_sample else 0.0
@@ -205,7 +205,8 @@ def _split(plan: Optional[RunPlan]) -> str:
 def savers_table(rows: Sequence[PricedSaver], as_is: Tuple[int, Optional[RunPlan]], recipe_global: int) -> List[str]:
     """The fact sheet: the run as it is, then a row per saver (micro-batch, plan for the recipe's batch, extra compute,
     training math), and which row gives the recipe's batch in one step at the least extra compute."""
-    lines = ['', f'Memory savers, priced by the estimate (none applied; --apply-saver NAME writes one into the config):',
+    lines = ['', 'Memory savers the run does not use yet, priced by the estimate '
+                 '(--apply-saver NAME writes one into the config):',
              f'  {"saver":<20s} {"flags":<48s} {"micro-batch":>11s} {f"plan for {recipe_global}":>15s} '
              f'{"extra compute":>13s}  training math',
              f'  {"(as is)":<20s} {"-":<48s} {as_is[0]:>11d} {_split(as_is[1]):>15s} {"+0%":>13s}  -']
