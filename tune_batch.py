@@ -159,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _check_tune_args(parser, args)
     prog = parser.prog
     try:
-        args, saver_notes = apply_savers(args, args.apply_saver or ())
+        args, saver_notes = apply_savers(args, args.apply_saver)
         for note in saver_notes:
             print(note)
         args, ramp_line = with_noise_scale(args, int(os.environ.get('WORLD_SIZE', args.nproc)))

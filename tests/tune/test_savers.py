@@ -176,3 +176,12 @@ def test_a_probed_plan_that_accumulates_for_memory_prices_the_savers(tmp_path, i
     assert int(rows['smaller-img-size']) > int(probed.group(2))  # 48 px: fewer activations a sample
     header = '# Memory savers the run does not use yet, priced by the estimate'
     assert header in config.read_text()  # the config's header holds the table
+
+
+def test_a_saver_named_in_a_recipe_yaml_is_applied(tmp_path):
+    recipe = tmp_path / 'recipe.yaml'
+    recipe.write_text('apply_saver: grad-checkpointing\n')  # one name: the config reader takes a single value
+    done = run_script('tune_batch.py', '-c', recipe, *VIT, '--device', 'cpu', '--estimate',
+                      '--tuned-config', tmp_path / 'o.yaml')
+    assert done.returncode == 0, done.stderr
+    assert read_like_stock(load_spec('train'), (tmp_path / 'o.yaml').read_text()).grad_checkpointing is True

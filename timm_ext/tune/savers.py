@@ -12,7 +12,7 @@ and leaves the choice to the user; `--apply-saver NAME` (`apply_savers`) puts a 
 import argparse
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 
@@ -137,7 +137,10 @@ def candidate_savers(args: argparse.Namespace, device_type: str, base: MemoryEst
     return [savers[name] for name in SAVER_NAMES if offered[name] and savers[name] is not None]
 
 
-def apply_savers(args: argparse.Namespace, names: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
+SaverNames = Union[str, Sequence[str], None]  # --apply-saver's value: names, or one name from a -c YAML
+
+
+def apply_savers(args: argparse.Namespace, names: SaverNames) -> Tuple[argparse.Namespace, List[str]]:
     """`args` with the named savers' flags on, and a line for each environment setting, which a config cannot hold
     (it is set in this process too, for what runs here).
 
@@ -145,7 +148,7 @@ def apply_savers(args: argparse.Namespace, names: Sequence[str]) -> Tuple[argpar
         TimmExtError: A saver that has no form for this run (no smaller input than the run's).
     """
     savers, notes = _all_savers(args), []
-    for name in names:
+    for name in [names] if isinstance(names, str) else names or ():
         saver = savers[name]
         if saver is None:
             raise TimmExtError(f'--apply-saver {name}: the run\'s input is already the smallest it offers; drop it')
