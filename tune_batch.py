@@ -58,7 +58,8 @@ from timm_ext.tune.handover import exec_training, release_probe
 from timm_ext.tune.img_sizes import format_size_table, schedule_mode
 from timm_ext.tune.tuned_config import extension_flags, planned_command, train_command, tuned_config, write_tuned_config
 from timm_ext.tune.plot import write_probe_plot
-from timm_ext.tune.estimate_plan import check_estimate_inputs, plan_with_estimate
+from timm_ext.tune.estimate_plan import check_estimate_inputs, plan_with_estimate, probe_savers
+from timm_ext.tune.savers import SAVER_NAMES, apply_savers, nothing_fits_advice
 from timm_ext.tune.tuner import (
     EVAL_PROBE_MODES, default_config_path, plan_tuned_run, report_lines, shown_report, summary_lines, worth_a_plot,
 )
@@ -66,6 +67,15 @@ from timm_ext.tune.tuner import (
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 SELECTIONS = ('auto', 'critical') + SELECT_MODES
+
+
+class AppendSaver(argparse.Action):
+    """--apply-saver, repeatable: each use adds a name (argparse's 'append' cannot start from the sentinel default
+    `given_dests` parses with)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*(names if isinstance(names, list) else []), values])
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -116,6 +126,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
                             'may then list several sizes (24GiB,80GiB) for a table of what fits where')
     group.add_argument('--nnodes', type=int, default=1, metavar='N',
                        help='with --estimate: plan for N nodes of --nproc processes each (nothing is launched)')
+    group.add_argument('--apply-saver', action=AppendSaver, default=None, choices=SAVER_NAMES, metavar='NAME',
+                       help='plan with this memory saver on (repeatable) and write its stock flags into the config: '
+                            + ', '.join(SAVER_NAMES) + '; the plan\'s savers table prices each one')
     add_snapshot_argument(group)
     return parser
 
@@ -146,6 +159,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     _check_tune_args(parser, args)
     prog = parser.prog
     try:
+        args, saver_notes = apply_savers(args, args.apply_saver)
+        for note in saver_notes:
+            print(note)
         args, ramp_line = with_noise_scale(args, int(os.environ.get('WORLD_SIZE', args.nproc)))
         if ramp_line and os.environ.get('RANK', '0') == '0':
             print(ramp_line)
@@ -210,9 +226,16 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     world_size = args.world_size if args.distributed else args.nproc
     primary = args.rank == 0
     config_path = args.tuned_config or default_config_path(args)
-    tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
+    try:
+        tuned = plan_tuned_run(parser, args, given, device, world_size, config_path)
+    except NothingFitsError as e:
+        raise with_savers_advice(e, args, given, device, world_size) from None
     train_args = with_measured_heap(train_args, device)
     release_probe(device, bool(args.torchcompile))
+    # the recipe's micro-batch does not fit the memory (a trial failed it): what each memory saver would give instead
+    memory_bound = any(trial.accepted is False for trial in tuned.outcome.trials)
+    saver_lines = probe_savers(args, given, device.type, world_size, tuned.plan.micro_batch)[0] if (
+        memory_bound and tuned.plan.accum_steps > 1 and not args.distributed and tuned.size_batches is None) else []
 
     values = dict(tuned.schedule)
     if tuned.eval_batch is not None:
@@ -233,7 +256,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         print('\n'.join(tables))
         plot = write_probe_plot(os.path.splitext(config_path)[0] + '.png', tuned.outcome.trials,
                                 tuned.plan.micro_batch, tuned.choice) if worth_a_plot(tuned) else None
-        report = report_lines(tuned, args, config.flags)
+        report = report_lines(tuned, args, config.flags) + saver_lines
         write_tuned_config(config, report, [f'Plot: {plot}'] if plot else [], summary_lines(tuned),
                            shown=shown_report(tuned, report))
     multi_node = topology is not None and topology.multi_node
@@ -250,6 +273,18 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
         return 0
     # train here: the imports are paid once, and nothing of the probe is alive any more (plan_tuned_run, release_probe)
     return load_train_script().main(command[2:])
+
+
+def with_savers_advice(error: NothingFitsError, args: argparse.Namespace, given: Set[str], device,
+                       world_size: int) -> NothingFitsError:
+    """The probe's nothing-fits error with the cheapest memory saver that fits named, each saver a line under it
+    (one process only: under torchrun every rank would trace them)."""
+    if args.distributed:
+        return error
+    advice, details = nothing_fits_advice(probe_savers(args, given, device.type, world_size, 0)[1])
+    priced = NothingFitsError(f'{error}; {advice}', error.trials)
+    priced.details = details
+    return priced
 
 
 def tune_from_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:

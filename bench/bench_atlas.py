@@ -2,6 +2,7 @@
 
     python bench/bench_atlas.py               # writes docs/what-fits.md and docs/what-fits.csv (traces cached)
     python bench/bench_atlas.py --models resnet50,vit_base_patch16_224
+    python bench/bench_atlas.py --configs 'fp16 adamw ckpt'   # trace one step's rows; keep the page's others
 
 Every figure is `tune_batch.py --estimate`'s CUDA estimate for train.py's own step at the model's default resolution:
 AMP (float16 and bfloat16), SGD (momentum 0.9) or AdamW, train.py's defaults otherwise (prefetcher, label smoothing),
@@ -41,7 +42,9 @@ CONFIGS = {  # row -> (step, flags)
     'bf16 sgd': ('train', ('--amp', '--amp-dtype', 'bfloat16', '--opt', 'sgd', '--momentum', '0.9')),
     'bf16 adamw': ('train', ('--amp', '--amp-dtype', 'bfloat16', '--opt', 'adamw')),
     'eval fp16': ('validate', ('--amp',)),
+    'fp16 adamw ckpt': ('train', ('--amp', '--opt', 'adamw', '--grad-checkpointing')),
 }
+OPTIONAL = {'fp16 adamw ckpt'}  # a row only where the step traces with it
 # bfloat16 holds what float16 holds in the CUDA model (the same casts, two bytes an element, the same kernel limits),
 # so its rows come from the float16 trace; tests/test_atlas.py traces one in bfloat16 to check it
 TRACED_AS = {'bf16 sgd': 'fp16 sgd', 'bf16 adamw': 'fp16 adamw'}
@@ -91,12 +94,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--models', default=','.join(MODELS))
     parser.add_argument('--fresh', action='store_true')
+    parser.add_argument('--configs', default=','.join(CONFIGS),
+                        help='the steps traced; the rows of the others are kept from the CSV written before')
     args = parser.parse_args(argv)
     started = time.perf_counter()
     models = [m for m in args.models.split(',') if m]
+    traced = {c for c in args.configs.split(',') if c}
+    kept = {(r['model'], r['config']): r for r in csv.DictReader(open(TABLE))} if traced != set(CONFIGS) else {}
     cache = {} if args.fresh or not os.path.exists(CACHE) else json.load(open(CACHE))
     cache = {k: e for k, e in cache.items() if 'error' in e or 'log' in e}  # older entries have no event log
-    todo = [(m, c) for m in models for c in CONFIGS if c not in TRACED_AS and f'{m}|{c}' not in cache]
+    todo = [(m, c) for m in models for c in CONFIGS if c in traced and c not in TRACED_AS and f'{m}|{c}' not in cache]
     os.makedirs(os.path.dirname(CACHE), exist_ok=True)
     for i, (model, config) in enumerate(todo, 1):
         cache[f'{model}|{config}'] = trace(model, config)
@@ -109,25 +116,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     confirmed = confirmations()
     rows = []
     for model in models:
-        entries = {c: cache[f'{model}|{TRACED_AS.get(c, c)}'] for c in CONFIGS}
-        size = entries['fp16 sgd'].get('describe', '').split(' at input ')[-1].split(',')[0]
-        for config, entry in entries.items():
+        for config in CONFIGS:
+            if config not in traced:
+                rows += [kept[(model, config)]] if (model, config) in kept else []
+                continue
+            entry = cache[f'{model}|{TRACED_AS.get(config, config)}']
+            if config in OPTIONAL and 'error' in entry:
+                continue
+            size = entry.get('describe', '').split(' at input ')[-1].split(',')[0]
             kind = 'train' if CONFIGS[config][0] == 'train' else 'infer'
             rows.append(dict(model=model, input=size, config=config,
                              **{f'{gb}GB': largest(entry, gb, config) for gb in CARDS_GB},
-                             confirmed_by=confirmed.get((model, kind), '')))
+                             # the published tables ran no checkpointing: they confirm the other steps only
+                             confirmed_by='' if config in OPTIONAL else confirmed.get((model, kind), '')))
     with open(TABLE, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    seconds = [e['seconds'] for k, e in cache.items() if 'seconds' in e and k.split('|')[0] in models]
+    seconds = [e['seconds'] for k, e in cache.items() if 'seconds' in e and k.split('|')[0] in models
+               and k.split('|')[1] in traced]
     with open(DOC, 'w') as f:
-        f.write(markdown(rows, sum(seconds), time.perf_counter() - started))
+        f.write(markdown(rows, sum(seconds), time.perf_counter() - started, sorted(traced) if kept else None))
     print(f'{DOC} and {TABLE} written ({len(rows)} rows)')
     return 0
 
 
-def markdown(rows: List[dict], traced_s: float, run_s: float) -> str:
+def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[List[str]] = None) -> str:
+    """The page; `only`: the steps this run traced, the other rows kept from the run before."""
+    took = (f'The page took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run {run_s:.0f} s).' if only is None
+            else f'The {", ".join(only)} rows took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run '
+                 f'{run_s:.0f} s); the others are kept from the run before.')
     head = ['# What fits where', '', '<!-- flags: tune_batch.py validate.py bench/bench_atlas.py -->', '```bash',
             'python tune_batch.py --model resnet50 --amp --device cuda --mem-budget 24GiB,80GiB --estimate  # your own',
             'python validate.py --model resnet50 --amp --device cuda --mem-budget 80GiB --estimate     # eval batch',
@@ -140,13 +158,17 @@ def markdown(rows: List[dict], traced_s: float, run_s: float) -> str:
             'so its rows repeat float16\'s. `-` : not even batch 1 fits. Each figure is the CUDA memory estimate of '
             '`tune_batch.py --estimate` (no GPU ran it); a card is read by its nominal size, as CUDA reports it, '
             'less the context. Where the model\'s figure is held by a kernel limit, not memory (a depthwise '
-            'convolution reaching 2**31 elements, attention reaching 65535 windows), bigger cards do not raise it.',
+            'convolution reaching 2**31 elements, attention reaching 65535 windows), bigger cards do not raise it. '
+            '`fp16 adamw ckpt` is `fp16 adamw` with `--grad-checkpointing` (activations recomputed in the backward '
+            'pass; the savers table of `tune_batch.py --estimate` prices its extra compute), for the models whose '
+            'checkpointed step the estimate traces: not yet ConvNeXt, Swin, MaxViT, CAFormer and EdgeNeXt (on the CUDA '
+            'trace their recomputed forward\'s tensors differ from the first\'s, which torch\'s checkpoint refuses), '
+            'nor inception_v3 (no checkpointing in timm).',
             '',
             '**Confirmed**: one of timm\'s published GPU tables holds this model, and the CUDA model, run as that '
             'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
             '[docs/gpu.md](gpu.md)). Unmarked rows are predictions only.', '',
-            f'The page took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run {run_s:.0f} s). The same rows '
-            f'as CSV: [what-fits.csv](what-fits.csv).', '',
+            f'{took} The same rows as CSV: [what-fits.csv](what-fits.csv).', '',
             '| model | input | step | ' + ' | '.join(f'{gb} GB' for gb in CARDS_GB) + ' | confirmed by |',
             '|---|---|---|' + '---:|' * len(CARDS_GB) + '---|']
     body = []

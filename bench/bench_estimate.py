@@ -11,6 +11,7 @@ the budget, no headroom. Memory figures only: nothing here is timed but the esti
 """
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -35,15 +36,16 @@ def run_args(model: str, img: str, *extra: str):
     return args
 
 
-def oracle(model: str, img: str, budget: str, onednn: bool) -> int:
-    """The largest batch that holds under the cap, in a fresh process (this script, --oracle)."""
+def oracle(model: str, img: str, budget: str, onednn: bool, extra=(), start: int = 16) -> int:
+    """The largest batch that holds under the cap, in a fresh process (this script, --oracle), for the run with the
+    train.py flags `extra`, the search doubling from `start`."""
     cmd = [sys.executable, __file__, '--oracle', f'{model}:{img}', '--budget', budget, '--onednn',
-           'on' if onednn else 'off']
+           'on' if onednn else 'off', f'--oracle-flags={shlex.join(extra)}', '--oracle-start', str(start)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return int(out.strip().split()[-1])
 
 
-def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
+def oracle_here(model: str, img: str, budget: str, onednn: bool, extra=(), start: int = 16) -> int:
     import torch
     from timm_ext.memory import PeakMeter, memory_cap, parse_budget, steady_cpu_heap
     from timm_ext.probe.measure import measured_trial
@@ -52,11 +54,11 @@ def oracle_here(model: str, img: str, budget: str, onednn: bool) -> int:
     torch.backends.mkldnn.enabled = onednn
     steady_cpu_heap()  # as train.py's init_device does
     cpu = torch.device('cpu')
-    setup = build_train_trial(run_args(model, img), cpu)
+    setup = build_train_trial(run_args(model, img, *extra), cpu)
     with memory_cap(cpu, parse_budget(budget).resolve(cpu)) as cap:
         trial = measured_trial(setup.step, cpu, PeakMeter(cpu, cap.baseline), warmup_steps=1, timed_steps=1,
                                capped=True, before=setup.reset, isolate=True)
-        fit, fail, size = 0, None, 16
+        fit, fail, size = 0, None, start
         while fail is None or fail - fit > max(1, fit // 50):
             if trial(size).fits:
                 fit = size
@@ -142,12 +144,15 @@ def main() -> int:
     parser.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
                         help='cuda: the CUDA model against max_memory_reserved on this GPU (models: CUDA_MODELS)')
     parser.add_argument('--oracle', default=None, help=argparse.SUPPRESS)
+    parser.add_argument('--oracle-flags', default='', help=argparse.SUPPRESS)
+    parser.add_argument('--oracle-start', type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == 'cuda':
         models = args.models if args.models != list(DEFAULT_MODELS) else list(CUDA_MODELS)
         return cuda_check(models, CUDA_BATCHES)
     if args.oracle:
-        print(oracle_here(*args.oracle.split(':'), args.budget, args.onednn == 'on'))
+        print(oracle_here(*args.oracle.split(':'), args.budget, args.onednn == 'on', shlex.split(args.oracle_flags),
+                          args.oracle_start))
         return 0
     from timm_ext.memory import parse_budget
     from timm_ext.probe.estimate import estimate_memory

@@ -93,3 +93,23 @@ def default_differences(spec: List[dict], values: dict, given: set) -> List[str]
         if want != got:
             differences.append(f"{dest}: stock default {entry['default']!r}, here {values[dest]!r}")
     return differences
+
+
+def read_like_stock(spec: List[dict], config_text: str) -> argparse.Namespace:
+    """A YAML config read as stock train.py reads it: a parser of the spec's flags, the config's keys set as its
+    defaults (`parser.set_defaults(**yaml.safe_load(...))`), an empty command line parsed."""
+    import yaml
+    types = {'int': int, 'float': float, 'str': str, None: None}
+    parser = argparse.ArgumentParser()
+    for entry in spec:
+        if entry['parser'] != 'parser':
+            continue
+        positional = not entry['flags'][0].startswith('-')  # its name is its dest
+        where = {} if positional else dict(dest=entry['dest'])
+        if entry['action'] == '_StoreTrueAction':
+            parser.add_argument(*entry['flags'], **where, action='store_true', default=entry['default'])
+        else:  # a store (ParseKwargs only differs on the command line, which is empty here)
+            parser.add_argument(*entry['flags'], **where, default=entry['default'], nargs=entry['nargs'],
+                                type=types[entry['type']], choices=entry['choices'])
+    parser.set_defaults(**yaml.safe_load(config_text))
+    return parser.parse_args([])

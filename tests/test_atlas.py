@@ -30,6 +30,9 @@ def test_the_atlas_covers_its_models_steps_and_cards_and_is_linked_from_the_read
     assert 'docs/what-fits.md' in (REPO_ROOT / 'README.md').read_text()
     doc = (REPO_ROOT / 'docs' / 'what-fits.md').read_text()
     assert doc.count('\n| ') >= len(ROWS)  # every CSV row is a row of the page
+    for row in (r for r in ROWS if r['config'] == 'fp16 adamw ckpt'):  # checkpointing never fits fewer samples
+        plain = next(r for r in ROWS if r['model'] == row['model'] and r['config'] == 'fp16 adamw')
+        assert all(int(row[f'{gb}GB']) >= int(plain[f'{gb}GB']) for gb in bench_atlas.CARDS_GB), row['model']
 
 
 @pytest.mark.parametrize('model,config', [('resnet18', 'fp16 sgd'), ('vit_tiny_patch16_224', 'eval fp16')])

@@ -5,6 +5,7 @@ each script catches it in one clause (`report`). Argument problems exit 2, as ar
 else 1, unless the error says otherwise (a run stopped by a signal exits 128 + the signal's number).
 """
 import sys
+from typing import Tuple
 
 __all__ = ['TimmExtError', 'UsageError', 'one_line', 'report']
 
@@ -13,6 +14,7 @@ class TimmExtError(Exception):
     """An error with a one-line message for the user and the exit status it ends the script with."""
     exit_status = 1
     label = 'error'  # the word after the program name: 'prog: error: ...'
+    details: Tuple[str, ...] = ()  # lines printed under the message: the table it sums up, one fact a line
 
 
 class UsageError(TimmExtError):
@@ -26,6 +28,8 @@ def one_line(exc: BaseException) -> str:
 
 
 def report(prog: str, exc: TimmExtError) -> int:
-    """Print `prog: error: message` to stderr and return the error's exit status."""
+    """Print `prog: error: message` (then the error's `details`, indented) to stderr and return its exit status."""
     print(f'{prog}: {exc.label}: {one_line(exc)}' if exc.label else f'{prog}: {one_line(exc)}', file=sys.stderr)
+    for line in exc.details:
+        print(f'  {line}', file=sys.stderr)
     return exc.exit_status

@@ -259,8 +259,12 @@ def test_nothing_fits_names_budget_model_input_and_suggestions(tmp_path, image_f
                   '--mem-budget', '2MiB', '--dry-run', '--no-cache')
     assert result.returncode == 1
     line = one_line_error(result)
-    for needle in ('nothing fits', '2.00 MiB', 'test_vit', '3x32x32', '--amp', '--grad-checkpointing'):
+    for needle in ('nothing fits', '2.00 MiB', 'test_vit', '3x32x32', 'no saver alone fits a batch of 1'):
         assert needle in line
+    savers = result.stderr.strip().splitlines()[-4:]  # one line a saver under the error, each priced
+    assert [s.split(':')[0].strip() for s in savers] == ['--amp --amp-dtype float16', '--amp --amp-dtype bfloat16',
+                                                         '--grad-checkpointing', '--channels-last']
+    assert all('nothing fits, ' in s and '% compute' in s for s in savers)
     assert not (tmp_path / 'cache').exists() or not any((tmp_path / 'cache').iterdir())
 
 

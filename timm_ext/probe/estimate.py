@@ -69,6 +69,8 @@ class MemoryEstimate:
             (`timm_ext.probe.kernel_limits`).
         replay: CUDA: the step's event log on the caching allocator (`timm_ext.cuda_memory`), which answers `peak`
             and `largest_batch` (None where the logs of two batch sizes did not line up: the lines answer).
+        flops_per_sample: The traced step's FLOPs per sample (`torch.utils.flop_counter`, at the largest batch;
+            recomputed forwards included).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -78,12 +80,13 @@ class MemoryEstimate:
     grad_bytes: int = 0
     kernel_sizes: Dict[str, float] = dataclasses.field(default_factory=dict)
     replay: Optional[CudaReplay] = None
+    flops_per_sample: float = 0.0
 
     def to_json(self) -> dict:
         """The estimate as JSON's types (what a trace's child sends back and the benchmarks cache), device aside."""
         return dict(lines=self.lines, traced=self.traced, describe=self.describe, seconds=self.seconds,
                     grad_bytes=self.grad_bytes, kernel_sizes=self.kernel_sizes,
-                    log=self.replay.log if self.replay else None)
+                    log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample)
 
     @classmethod
     def from_json(cls, data: dict, device: DeviceModel,
@@ -95,7 +98,7 @@ class MemoryEstimate:
             replay = CudaReplay(data['log']) if replay_config is None else CudaReplay(data['log'], replay_config)
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
-                   data['grad_bytes'], data.get('kernel_sizes', {}), replay)
+                   data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0))
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -170,6 +173,7 @@ def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
 def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int], step_kind: str) -> MemoryEstimate:
     """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
 
     started = time.perf_counter()
     # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
@@ -185,6 +189,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
+    flops = FlopCounterMode(display=False)
     try:
         with mode:
             stack.task.to_empty(device=CPU)
@@ -217,6 +222,8 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                         traced[batch_size] = dict(tracker.peak)
             finally:
                 tracker.remove_hooks()
+            with flops:  # a step of its own: the counter's module hooks would add ops to the tracked logs
+                step(max(batches))
     except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
         text = ' '.join(str(e).split())[:200]
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
@@ -229,7 +236,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
     log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
     return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
-                          CudaReplay(log) if log else None)
+                          CudaReplay(log) if log else None, flops.get_total_flops() / max(batches))
 
 
 def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:

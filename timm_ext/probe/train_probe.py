@@ -5,7 +5,6 @@ a first step, the cap in force while trials run, each trial measured (`timm_ext.
 (`timm_ext.probe.rank_agreement`), the search aimed at the headroom's limit (`timm_ext.probe.search`), re-timing for a
 throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`).
 """
-import argparse
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -23,7 +22,7 @@ from .table import ERROR, Trial, TrialError, TrialFn
 from .trial import TrainTrialSetup
 from .trial_host import TrialHost, hosted_trials
 
-__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'nothing_fits_advice']
+__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup']
 
 
 @dataclass
@@ -149,17 +148,3 @@ def budget_after_warmup(setup: TrainTrialSetup, budget: MemoryBudget) -> int:
     if setup.device.type == 'cuda':
         check_step_runs(setup)
     return budget.resolve(setup.device)
-
-
-def nothing_fits_advice(args: argparse.Namespace) -> str:
-    """Suggestions for a run whose batch of 1-2 does not fit: the memory savers it is not using yet."""
-    tips = []
-    if not args.amp and not args.model_dtype:
-        tips.append('--amp (mixed precision)')
-    if not args.grad_checkpointing:
-        tips.append('--grad-checkpointing')
-    tips.append('a smaller --img-size / --input-size')
-    if args.model_ema and not args.model_ema_force_cpu:
-        tips.append('--model-ema-force-cpu')
-    tips.append('a larger --mem-budget')
-    return 'try ' + ', '.join(tips)

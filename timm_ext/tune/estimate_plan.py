@@ -21,14 +21,14 @@ from ..probe.device_memory import MODELLED_DEVICE_TYPES, device_model, onednn_ru
 from ..probe.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
-from ..probe.train_probe import nothing_fits_advice
 from ..train.input_checks import resume_problem
 from ..train.setup import SetupError
 from .plan import RunPlan, plan_run
+from .savers import PlanFor, PricedSaver, nothing_fits_advice, price_savers, savers_table
 from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 
 __all__ = ['EstimatedPlan', 'EstimatedRun', 'check_estimate_inputs', 'parse_budgets', 'plan_from_estimate',
-           'estimate_report', 'plan_with_estimate']
+           'estimate_report', 'probe_savers', 'plan_with_estimate']
 
 TABLE_SIZES = 5  # rows of the per-batch table, up to the first budget's micro-batch
 EVAL_TRACE_BATCHES = (32, 64, 128)  # a forward holds a few activations a sample: wider sizes, the same fit
@@ -159,6 +159,39 @@ def _budget_lines(estimate: MemoryEstimate, plans: List[EstimatedPlan]) -> List[
                else 'the context already out of it: ') + f'{format_bytes(p.usable)} to plan in.' for p in plans]
 
 
+def _planner(args: argparse.Namespace, device_type: str, budget: Tuple[str, MemoryBudget], world_size: int,
+             recipe_global: int) -> PlanFor:
+    """An estimate's micro-batch and plan under `budget`, planned as the run's own (`plan_from_estimate`)."""
+    def plan_for(estimate: MemoryEstimate) -> Tuple[int, Optional[RunPlan]]:
+        first = plan_from_estimate(args, device_type, estimate, [budget], world_size, recipe_global)[0]
+        return first.micro_batch, first.plan
+    return plan_for
+
+
+def probe_savers(args: argparse.Namespace, given: Set[str], device_type: str, world_size: int,
+                 probed: int) -> Tuple[List[str], List[PricedSaver]]:
+    """The savers table of a probed run whose recipe's micro-batch does not fit, and its rows.
+
+    The rows are the estimate's (`price_savers`), so the table also gives the estimate's figure for the run as it is
+    beside the micro-batch the probe measured (`probed`, 0: none fits): each row reads against that. A step that
+    cannot be traced gives a line saying so and no rows.
+    """
+    onednn = onednn_runs(device_type)
+    budget = parse_budgets(args.mem_budget or '1.0')[0]
+    recipe_global, _ = recipe_global_batch(args, given, world_size)
+    try:
+        base = estimate_memory(args, device_type, onednn)
+    except EstimateError as e:
+        return ['', f'Memory savers: not priced ({e}).'], []
+    plan_for = _planner(args, device_type, budget, world_size, recipe_global)
+    rows = price_savers(args, device_type, onednn, base, plan_for)
+    as_is = plan_for(base)
+    lines = savers_table(rows, as_is, recipe_global)
+    lines.insert(2, f'  The probe measured {probed} for the run as it is, the estimate predicts {as_is[0]}: read each '
+                    f'row against that.')
+    return lines, rows
+
+
 @dataclass(frozen=True)
 class EstimatedRun:
     """--estimate's decision: the estimate, one plan a budget (the first is the run's) and the report lines."""
@@ -198,10 +231,16 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     recipe_global, _ = recipe_global_batch(args, given, world_size)
     plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global, eval_estimate)
     lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc, eval_estimate)
+    savers = price_savers(run_args, device_type, onednn, estimate,
+                          _planner(run_args, device_type, budgets[0], world_size, recipe_global))
+    lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
     chosen = plans[0].plan
     if chosen is None:
         print('\n'.join(lines))
-        raise NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {nothing_fits_advice(args)}')
+        advice, details = nothing_fits_advice(savers)
+        error = NothingFitsError(f'nothing fits {plans[0].budget_text} by the estimate; {advice}')
+        error.details = details
+        raise error
     lines += ['', f'Plan for {plans[0].budget_text}, {world_size} rank(s): {chosen.split_line()}',
               f'LR: {chosen.lr_reason}']
     return EstimatedRun(estimate, plans, lines)

@@ -27,8 +27,8 @@ from ..probe.device_memory import onednn_runs
 from ..probe.estimate import EstimateError, estimate_memory
 from ..probe.grids import BatchGrid, SplitGrid, default_grid
 from ..probe.selection import select_batch_size
-from ..probe.table import NothingFitsError, format_trial, trials_to_json
-from ..probe.train_probe import ProbeOutcome, budget_after_warmup, nothing_fits_advice, probe_train_batch
+from ..probe.table import format_trial, trials_to_json
+from ..probe.train_probe import ProbeOutcome, budget_after_warmup, probe_train_batch
 from ..probe.trial import TrainTrialSetup, build_train_trial
 from ..train.setup import SetupError, batch_multiple, build_datasets
 from .batch_choice import (
@@ -171,10 +171,7 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
         if primary:  # the cached trials, as a probe would have printed them: the table appears once either way
             print(f'Probe: cached result for this request ({cache.path(key)}); no trials run.')
             print('\n'.join(prefix + format_trial(trial, budget_bytes) for trial in cached), flush=True)
-        try:
-            selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
-        except NothingFitsError as e:
-            raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
+        selection = select_batch_size(cached, probe_select, args.throughput_tol, context)
         return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), cached=True)
     if primary:
         print(probe_header(request, start, max_batch))
@@ -187,13 +184,10 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
             print(prefix + format_trial(trial, budget_bytes), flush=True)
             atomic_text(trials_to_json(table, request=key, complete=False), request.trials_path)
 
-    try:
-        # the estimate is of the training step; a throughput choice needs the smaller sizes timed too, not skipped
-        prior = request.prior if request.phase == 'train' and probe_select == 'max' else None
-        outcome = probe_train_batch(setup, budget_bytes, args.mem_headroom, probe_select, args.throughput_tol,
-                                    start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS, prior)
-    except NothingFitsError as e:
-        raise NothingFitsError(f'{e}; {nothing_fits_advice(args)}', e.trials) from None
+    # the estimate is of the training step; a throughput choice needs the smaller sizes timed too, not skipped
+    prior = request.prior if request.phase == 'train' and probe_select == 'max' else None
+    outcome = probe_train_batch(setup, budget_bytes, args.mem_headroom, probe_select, args.throughput_tol,
+                                start, max_batch, request.grid, TIMED_STEPS, on_trial, RETIME_ROUNDS, prior)
     if primary:
         cache_file = cache.put(key, outcome.trials) if not args.no_cache else None
         atomic_text(trials_to_json(outcome.trials, request=key, complete=True), request.trials_path)
