@@ -233,7 +233,7 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     train_args = with_measured_heap(train_args, device)
     release_probe(device, bool(args.torchcompile))
     # the recipe's micro-batch does not fit the memory (a trial failed it): what each memory saver would give instead
-    memory_bound = any(trial.accepted is False for trial in tuned.outcome.trials)
+    memory_bound = tuned.outcome is not None and any(trial.accepted is False for trial in tuned.outcome.trials)
     saver_lines = probe_savers(args, given, device.type, world_size, tuned.plan.micro_batch)[0] if (
         memory_bound and tuned.plan.accum_steps > 1 and not args.distributed and tuned.size_batches is None) else []
 

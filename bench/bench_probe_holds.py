@@ -8,8 +8,9 @@ For each configuration (model, input, CPU budget):
 2. hold: that train command, `--hold-epochs` epochs (default 3) with evaluation and checkpoints, in `--hold-runs`
    fresh processes (default 2), under the same budget set once train.py's stack is built (the cap harness
    `tests/train/oom_cap_train.py`, as a cap that comes after the start: a container, a ulimit in the job script).
-3. train.py's own limit: the largest batch that trains one epoch under the same cap, by bisection from the choice
-   (one fresh process a size), with the same flags.
+3. train.py's own limit: the largest batch that trains two epochs under the same cap (the second trains with the first
+   evaluation's shapes resident, the trial's warm-up), by bisection from the choice (one fresh process a size), with
+   the same flags.
 
 The figure of merit is choice / limit (the target is 0.90 or more, in at most 3 trials, and every hold run must end).
 
@@ -80,16 +81,16 @@ def trains(data: Path, flags: List[str], extras: List[str], batch: int, budget_m
 
 def largest_that_trains(data: Path, flags: List[str], extras: List[str], start: int, budget_mib: int,
                         work: Path) -> int:
-    """train.py's largest batch that trains one epoch under the cap: grow x1.25 from `start` to a failure, then
+    """train.py's largest batch that trains two epochs under the cap: grow x1.25 from `start` to a failure, then
     bisect (start itself is assumed to hold; the hold runs check it)."""
     fit, fail = start, None
     while fail is None:
         size = max(fit + 1, int(fit * 1.25))
-        ok, _ = trains(data, flags, extras, size, budget_mib, 1, work)
+        ok, _ = trains(data, flags, extras, size, budget_mib, 2, work)
         fit, fail = (size, None) if ok else (fit, size)
     while fail - fit > 1:
         size = (fit + fail) // 2
-        ok, _ = trains(data, flags, extras, size, budget_mib, 1, work)
+        ok, _ = trains(data, flags, extras, size, budget_mib, 2, work)
         fit, fail = (size, fail) if ok else (fit, size)
     return fit
 

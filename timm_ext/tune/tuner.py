@@ -251,7 +251,6 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
     outcome = dataclasses.replace(request, grid=splits).run('max', limit, start=limit)  # one trial if the recipe fits
     trial_s = time.perf_counter() - started
     plan = plan_run(args, outcome.selection.batch_size, world_size, recipe_global)
-    who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
     one_batch = plan.accum_steps == 1
     if one_batch:
         how = f'fits as one batch of {plan.micro_batch} per rank: one trial, nothing to search for it.'
@@ -264,12 +263,10 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
             why = f'a batch of {needed} per rank does not fit'
         how = f'is built from micro-batches of {plan.micro_batch} x {plan.accum_steps} accumulation: {why}.'
     exact = plan.global_batch == recipe_global
-    nearest = '' if exact else f' has no split this run can take; the nearest, global batch {plan.global_batch},'
     kept = 'it exactly' if exact else f'the nearest ({plan.global_batch}, see the accumulation line)'
-    lines = [f'The recipe\'s global batch {recipe_global} ({who}){nearest} {how}']
+    lines = [recipe_line(recipe_global, set_by, plan, how)]
     if args.select == 'auto' and set_by:
-        lines.append(f'Kept {kept}: --select auto chooses only the micro-batch and accumulation of a global batch '
-                     'the recipe sets (--select critical would judge a bigger one).')
+        lines.append(kept_line(plan, recipe_global))
         return TunedRun(outcome, plan, lines=lines)
     speed = outcome.selection.trial.samples_per_s or 0.0
     run_s = args.epochs * train_samples / speed if speed else math.inf
@@ -304,6 +301,23 @@ def choose_by_time(request: ProbeRequest, recipe_global: int, set_by: str, train
               f'Tuning cost {spent:.1f} s, {spent / max(chosen.predicted_s, 1e-9):.1%} of the predicted run.']
     schedule = scaled_schedule(vars(args), args.epochs, chosen.epochs)
     return TunedRun(searched, plan, schedule, lines, noise, choice)
+
+
+def recipe_line(recipe_global: int, set_by: str, plan: RunPlan, how: str) -> str:
+    """The report's first word on the recipe's global batch: who set it, the nearest one the run takes where it has
+    no split, and `how` the plan builds it."""
+    who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
+    exact = plan.global_batch == recipe_global
+    nearest = '' if exact else f' has no split this run can take; the nearest, global batch {plan.global_batch},'
+    return f'The recipe\'s global batch {recipe_global} ({who}){nearest} {how}'
+
+
+def kept_line(plan: RunPlan, recipe_global: int) -> str:
+    """Why --select auto kept a global batch the recipe sets (or its nearest split)."""
+    kept = 'it exactly' if plan.global_batch == recipe_global else (
+        f'the nearest ({plan.global_batch}, see the accumulation line)')
+    return (f'Kept {kept}: --select auto chooses only the micro-batch and accumulation of a global batch the recipe '
+            'sets (--select critical would judge a bigger one).')
 
 
 def time_bigger_batches(request: ProbeRequest, recipe: ProbeOutcome, micro_batch: int, speed: float,
@@ -401,8 +415,9 @@ def untried_run(args: argparse.Namespace, world_size: int, recipe_global: int, s
     """The recipe's global batch as one micro-batch a rank, planned with no trial (`timm_ext.tune.untried`): train.py
     runs it with ``--oom-recover``, whose first update is the trial."""
     plan = plan_run(args, math.ceil(recipe_global / world_size), world_size, recipe_global)
-    who = f'set by {set_by}' if set_by else "stock train.py's default -b 128"
-    lines = [f'The recipe\'s global batch {recipe_global} ({who}) trains as micro-batches of {plan.micro_batch}.', reason]
+    lines = [recipe_line(recipe_global, set_by, plan, f'trains as micro-batches of {plan.micro_batch}.'), reason]
+    if set_by:
+        lines.append(kept_line(plan, recipe_global))
     updates = args.epochs * updates_per_epoch(train_samples, plan.micro_batch, world_size, plan.accum_steps)
     lines += [f'Warning: {w}.' for w in batch_warnings(plan.global_batch, updates, None)]
     return TunedRun(None, plan, lines=lines, eval_lines=[
