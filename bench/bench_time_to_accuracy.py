@@ -59,8 +59,9 @@ def run(cmd: Sequence[str], out_dir: Path, name: str, env: Dict[str, str]) -> di
     if proc.returncode != 0:
         raise SystemExit(f'{name} failed ({proc.returncode}): {proc.stderr[-2000:]}')
     decision = [line for line in proc.stdout.splitlines()
-                if line.startswith(('The recipe', 'Kept', 'Choice:', 'Noise scale:', 'Warning:', 'Tuning cost'))]
-    chosen = re.search(r'global batch (\d+) = (\d+) x \d+ x (\d+)\.', proc.stdout)
+                if line.startswith(('The recipe', 'No trial', 'Kept', 'Choice:', 'Noise scale:', 'Warning:',
+                                     'Tuning cost'))]
+    chosen = re.search(r'Global batch (\d+) = micro-batch', proc.stdout)  # the closing summary's
     return {'wall_s': round(wall, 2), 'top1': best_top1(out_dir / name), 'decision': decision,
             'global_batch': int(chosen.group(1)) if chosen else None}
 
