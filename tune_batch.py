@@ -42,13 +42,13 @@ from timm import utils
 
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
 from timm_ext.cuda_backends import configure_cuda_backends
-from timm_ext.cuda_memory.snapshot import add_snapshot_argument, snapshot_flag_problem
+from timm_ext.memory_model.snapshot import add_snapshot_argument, snapshot_flag_problem
 from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom, trains_on_steady_heap
-from timm_ext.probe.estimate import EstimateError
-from timm_ext.probe.forked import die_with_parent
+from timm_ext.memory_model.estimate import EstimateError
+from timm_ext.child_process import die_with_parent
 from timm_ext.probe.selection import SELECT_MODES
 from timm_ext.probe.table import NothingFitsError
 from timm_ext.train.args import EXTENSIONS_GROUP, build_parser, given_dests, group_dests, parse_args

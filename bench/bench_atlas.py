@@ -7,7 +7,7 @@
 Every figure is `tune_batch.py --estimate`'s CUDA estimate for train.py's own step at the model's default resolution:
 AMP (float16 and bfloat16), SGD (momentum 0.9) or AdamW, train.py's defaults otherwise (prefetcher, label smoothing),
 one process, no headroom; the eval batch is validate.py's forward (float16). A card is read by its nominal size as
-tune_batch.py reads it (`timm_ext.probe.device_memory.card_memory`). A row is marked where one of timm's published
+tune_batch.py reads it (`timm_ext.memory_model.devices.card_memory`). A row is marked where one of timm's published
 tables confirms the CUDA model for that model (`bench/bench_gpu_tables.py`: the estimate inside the table's rung).
 """
 import argparse
@@ -52,7 +52,7 @@ GiB = 1 << 30
 
 
 def trace(model: str, config: str) -> dict:
-    from timm_ext.probe.estimate import EstimateError, estimate_memory
+    from timm_ext.memory_model.estimate import EstimateError, estimate_memory
     from timm_ext.train.args import parse_args
     step, flags = CONFIGS[config]
     args, _ = parse_args(['--model', model, '--device', 'cuda', '--num-classes', '1000', *flags])
@@ -67,8 +67,8 @@ def trace(model: str, config: str) -> dict:
 
 def largest(entry: dict, card_gb: int, config: str) -> Optional[int]:
     """The largest batch of a traced `config` on a card sold as `card_gb` GB (None: not traced)."""
-    from timm_ext.probe.device_memory import card_memory, device_model
-    from timm_ext.probe.estimate import MemoryEstimate
+    from timm_ext.memory_model.devices import card_memory, device_model
+    from timm_ext.memory_model.estimate import MemoryEstimate
     if 'error' in entry:
         return None
     e = MemoryEstimate.from_json(entry, device_model('cuda'))

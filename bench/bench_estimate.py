@@ -75,7 +75,7 @@ def cuda_check(models, batches, cap_gib: float = CUDA_CAP_GIB) -> int:
     import torch
     from timm_ext.cuda_backends import configure_cuda_backends
     from timm_ext.memory import PeakMeter, format_bytes, free_memory
-    from timm_ext.probe.estimate import estimate_memory
+    from timm_ext.memory_model.estimate import estimate_memory
     from timm_ext.probe.measure import measured_trial
     from timm_ext.probe.trial import build_train_trial
     extra = ('--amp', '--opt', 'adamw')
@@ -155,7 +155,7 @@ def main() -> int:
                           args.oracle_start))
         return 0
     from timm_ext.memory import parse_budget
-    from timm_ext.probe.estimate import estimate_memory
+    from timm_ext.memory_model.estimate import estimate_memory
     budget = parse_budget(args.budget).num_bytes
     settings = {'off': [False], 'on': [True], 'both': [False, True]}[args.onednn]
     print('| model | img | oneDNN | estimate | oracle | estimate / oracle | estimate s | calibration |')

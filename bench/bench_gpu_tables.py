@@ -135,7 +135,7 @@ def trace_key(kind: str, model: str, img_size: int) -> str:
 def trace(kind: str, model: str, img_size: int) -> dict:
     """One estimate as the table's software ran it (see the module doc); a dict for the cache."""
     import timm.layers
-    from timm_ext.probe.estimate import EstimateError, estimate_memory
+    from timm_ext.memory_model.estimate import EstimateError, estimate_memory
     from timm_ext.train.args import parse_args
     flags = TRAIN_FLAGS if kind == 'train' else INFER_FLAGS
     args, _ = parse_args(['--model', model, '--img-size', str(img_size), '--device', 'cuda', '--num-classes', '1000',
@@ -151,9 +151,9 @@ def trace(kind: str, model: str, img_size: int) -> dict:
 
 def to_estimate(entry: dict, kind: str, compute_capability: Tuple[int, int]):
     """A cached trace as the estimate for its table's software and card (see the module doc)."""
-    from timm_ext.cuda_memory.replay import ReplayConfig
-    from timm_ext.probe.device_memory import device_model
-    from timm_ext.probe.estimate import MemoryEstimate
+    from timm_ext.memory_model.replay import ReplayConfig
+    from timm_ext.memory_model.devices import device_model
+    from timm_ext.memory_model.estimate import MemoryEstimate
     device = device_model('cuda')
     if kind == 'train':
         device = dataclasses.replace(device, context_bytes=EAGER_CONTEXT_BYTES)

@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument('--skip', default='amp-float16,amp-bfloat16', help='savers not measured (comma-separated)')
     args = parser.parse_args()
     from timm_ext.memory import parse_budget
-    from timm_ext.probe.estimate import estimate_memory
+    from timm_ext.memory_model.estimate import estimate_memory
     from timm_ext.tune.savers import candidate_savers
     budget = parse_budget(args.budget).num_bytes
     print(f'| model | img | saver | flags | predicted | trials hold | predicted / held |   (budget {args.budget})')

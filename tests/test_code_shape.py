@@ -59,7 +59,8 @@ def referenced_names(tree: ast.AST) -> set:
             | {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)})
 
 
-@pytest.mark.parametrize('path', sorted((REPO_ROOT / 'timm_ext' / 'probe').glob('*.py')),
+@pytest.mark.parametrize('path', sorted([*(REPO_ROOT / 'timm_ext' / 'probe').glob('*.py'),
+                                         *(REPO_ROOT / 'timm_ext' / 'memory_model').glob('*.py')]),
                          ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_probe_modules_stay_one_idea_long(path):
     lines = len(path.read_text().splitlines())
@@ -104,3 +105,13 @@ def test_shared_modules_import_no_layer():
 def test_the_import_check_sees_a_relative_import_upwards():
     tree = ast.parse('from ..tune.batch_choice import MIN_UPDATES\nfrom .loop import TrainLoop\n')
     assert imported_modules(tree, 'timm_ext.train') >= {'timm_ext.tune.batch_choice', 'timm_ext.train.loop'}
+
+
+def test_the_memory_model_imports_none_of_the_layers_that_read_it():
+    """The memory model is one package below the probe, the tuner and validate.py: they read it, never the reverse."""
+    offenders = []
+    for path in (REPO_ROOT / 'timm_ext' / 'memory_model').rglob('*.py'):
+        for name in imported_modules(ast.parse(path.read_text()), 'timm_ext.memory_model'):
+            if name.split('.')[1:2] and name.split('.')[1] in LAYERS_ABOVE_TRAINING:
+                offenders.append(f'{path.name} imports {name}')
+    assert not offenders, offenders

@@ -315,7 +315,7 @@ def test_the_probe_fixes_the_heap_in_its_trial_children_only():
         import torch
         from timm_ext import memory
         from timm_ext.distributed import init_device
-        from timm_ext.probe.forked import call_forked
+        from timm_ext.child_process import call_forked
         from timm_ext.probe.trial import build_train_trial
         from timm_ext.train.args import parse_args
         args, device = init_device(parse_args(['--model', 'test_resnet', '--device', 'cpu', '--img-size', '32'])[0])

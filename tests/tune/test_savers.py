@@ -7,9 +7,9 @@ import yaml
 
 from conftest import run_script
 from stock_spec import load_spec, read_like_stock
-from timm_ext.cuda_memory.predict import CudaReplay
-from timm_ext.probe.device_memory import device_model, onednn_runs
-from timm_ext.probe.estimate import MemoryEstimate, estimate_memory
+from timm_ext.memory_model.predict import CudaReplay
+from timm_ext.memory_model.devices import device_model, onednn_runs
+from timm_ext.memory_model.estimate import MemoryEstimate, estimate_memory
 from timm_ext.train.args import parse_args
 from timm_ext.tune.plan import plan_run
 from timm_ext.tune.savers import (

@@ -47,7 +47,7 @@ def search_batch_size(
         on_trial: Called with each trial as soon as it is done (live logging, saving the table).
         peak_limit: The peak the chosen size may reach, in the trials' units (`HeadroomAccept.limit`); None: no aim.
         prior: A predicted peak line (bytes at batch 0, bytes per sample) in the trials' units, e.g. the memory
-            estimate's (`timm_ext.probe.estimate`): the first trial aims by it, and one measured peak calibrates it
+            estimate's (`timm_ext.memory_model.estimate`): the first trial aims by it, and one measured peak calibrates it
             (scaled to the measurement) until a second size is measured. A callable is asked only when it can change
             a trial: not before an asked size that is tried first (`start >= max_batch`), only once that failed.
 

@@ -83,7 +83,7 @@ def probe_train_batch(
             search skipped between them, again (`retime_trials`).
         prior: The memory estimate's peak line in this budget's units, to aim the first trial and calibrate
             (`search_batch_size`); or a callable giving it, asked only where it can change a trial. A callable asked
-            under the CPU cap traces in a child of its own (`timm_ext.probe.estimate.in_child`), which lifts the cap.
+            under the CPU cap traces in a child of its own (`timm_ext.memory_model.estimate.in_child`), which lifts the cap.
 
     Raises:
         BudgetError: The budget is larger than the device.

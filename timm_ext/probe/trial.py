@@ -32,7 +32,7 @@ The same setup also times the run's evaluation step (`TrainTrialSetup.eval_trial
 gradients of the eval model at the eval input size, with the optimizer state resident as it is when train.py
 evaluates between epochs; tune_batch.py probes it for `validation_batch_size`.
 
-The steps themselves are in `timm_ext.probe.trial_steps`; `timm_ext.probe.train_probe` runs the whole probe.
+The steps themselves are in `timm_ext.train.trial_steps`; `timm_ext.probe.train_probe` runs the whole probe.
 """
 import argparse
 import dataclasses
@@ -45,9 +45,10 @@ from ..cuda_backends import CUDA_GRAPH_MODES
 from ..memory import steady_cpu_heap
 from ..train.setup import SetupError, with_values
 from ..train.stack import TrainingStack, build_training_stack
-from .trial_steps import trial_eval_forward, trial_eval_step, trial_loop, trial_train_step
+from ..train.trial_steps import (probe_input_size, schedule_inputs, trial_eval_forward, trial_eval_step, trial_loop,
+                                 trial_train_step)
 
-__all__ = ['TrainTrialSetup', 'build_train_trial', 'schedule_inputs', 'probe_input_size', 'probe_grad_scaler',
+__all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_grad_scaler',
            'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
 
 # Initial loss scale of the probe's float16 scaler: unscaled, an update overflows only when the run's would at any
@@ -63,22 +64,6 @@ def probe_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
 def probe_compile_mode(mode: Optional[str]) -> Optional[str]:
     """The torch.compile mode probe trials use for the run's `--torchcompile-mode`: the same, less CUDA graphs."""
     return CUDA_GRAPH_MODES.get(mode, mode)
-
-
-def schedule_inputs(args: argparse.Namespace, channels: int) -> List[Tuple[int, int, int]]:
-    """The (C, H, W) of each `--train-img-sizes` entry, in the schedule's order (none without a schedule)."""
-    inputs = []
-    for size in getattr(args, 'train_img_sizes', None) or ():
-        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-        inputs.append((channels, int(height), int(width)))
-    return inputs
-
-
-def probe_input_size(args: argparse.Namespace, data_config: dict) -> Tuple[int, ...]:
-    """The largest input (C, H, W) the run will train on: the model's / --input-size / --img-size, or the biggest
-    of a --train-img-sizes schedule (the first of equal ones)."""
-    model_input = tuple(data_config['input_size'])
-    return max([model_input, *schedule_inputs(args, model_input[0])], key=lambda size: size[1] * size[2])
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """CPU trials for a process that cannot fork them: a fresh interpreter builds the same trial and forks each one.
 
 A process that has run a backward pass (a notebook, a larger script) runs autograd's worker threads, and torch then
-refuses autograd in every child forked after it (`timm_ext.probe.forked.fork_runs_autograd`). Trials run in that
+refuses autograd in every child forked after it (`timm_ext.child_process.fork_runs_autograd`). Trials run in that
 process instead would measure its history, not the step: its free heap serves the step's blocks without the data
 segment growing (test_resnet at 64 px, batch 16: 17 MB there, 28 MB in a fresh process), so the chosen batch need
 not hold in the train.py that follows. A trial host is a new interpreter with no such history: it rebuilds the trial
@@ -26,7 +26,7 @@ import timm
 import torch
 
 from ..memory import PeakMeter, memory_cap
-from .forked import die_with_parent, fork_runs_autograd
+from ..child_process import die_with_parent, fork_runs_autograd
 from .measure import measured_trial
 from .table import Trial, TrialFn
 from .trial import TrainTrialSetup, build_train_trial

@@ -1,7 +1,7 @@
 """tune_batch.py --estimate: the micro-batch, accumulation and LR from the memory estimate alone, on any machine.
 
 No real trial runs and the device need not be here: `--device cuda --mem-budget 80GiB` plans a CUDA run on a laptop.
-For each budget the largest micro-batch the estimate (`timm_ext.probe.estimate`) puts under budget x (1 - headroom)
+For each budget the largest micro-batch the estimate (`timm_ext.memory_model.estimate`) puts under budget x (1 - headroom)
 is planned as the probe's would be (`timm_ext.tune.plan.plan_run`): the recipe's global batch kept at its split, or
 with `--select max` the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulates is held to the
 peak of a micro-batch after a window's first, which starts with the gradients resident. train.py's evaluation between
@@ -17,8 +17,8 @@ import torch
 
 from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
-from ..probe.device_memory import MODELLED_DEVICE_TYPES, device_model, onednn_runs
-from ..probe.estimate import EstimateError, MemoryEstimate, estimate_memory
+from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
+from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
 from ..train.input_checks import resume_problem

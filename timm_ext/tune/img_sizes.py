@@ -32,7 +32,7 @@ from ..lr import resolve_lr
 from ..memory import format_bytes
 from ..probe.grids import BatchGrid
 from ..probe.train_probe import ProbeOutcome
-from ..probe.trial import schedule_inputs
+from ..train.trial_steps import schedule_inputs
 from ..train.setup import with_values
 from .plan import RunPlan
 

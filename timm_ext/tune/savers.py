@@ -3,7 +3,7 @@
 When the recipe's micro-batch does not fit, the user has choices besides accumulation: mixed precision, gradient
 checkpointing, channels_last, the EMA on the host, an optimizer with less state, expandable allocator segments, a
 smaller input. `price_savers` traces the run's step once per saver the run does not use yet
-(`timm_ext.probe.estimate`, fake tensors, no device) and plans each as the run's own plan is made (the caller's
+(`timm_ext.memory_model.estimate`, fake tensors, no device) and plans each as the run's own plan is made (the caller's
 `plan_for`); expandable segments replay the run's own CUDA trace on an allocator that has them. The extra compute is
 the traced step's FLOPs per sample against the run's (`torch.utils.flop_counter`: checkpointing's recomputed forwards).
 `savers_table` is a fact sheet: it names the row that gives the recipe's batch in one step at the least extra compute
@@ -16,10 +16,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 
-from ..cuda_memory.allocator import expandable_segments_asked
-from ..cuda_memory.replay import ReplayConfig
+from ..memory_model.allocator import expandable_segments_asked
+from ..memory_model.replay import ReplayConfig
 from ..errors import TimmExtError, one_line
-from ..probe.estimate import MemoryEstimate, estimate_memory
+from ..memory_model.estimate import MemoryEstimate, estimate_memory
 from ..train.setup import with_values
 from .plan import RunPlan
 

@@ -23,8 +23,8 @@ from timm.models import safe_model_name
 from ..atomic_files import atomic_text
 from ..memory import MemoryBudget, device_name, format_bytes, free_memory, parse_budget, physical_memory
 from ..probe.cache import ProbeCache, probe_key
-from ..probe.device_memory import onednn_runs
-from ..probe.estimate import EstimateError, estimate_memory
+from ..memory_model.devices import onednn_runs
+from ..memory_model.estimate import EstimateError, estimate_memory
 from ..probe.grids import BatchGrid, SplitGrid, default_grid
 from ..probe.selection import select_batch_size
 from ..probe.table import format_trial, trials_to_json

@@ -16,7 +16,7 @@ from ..arg_checks import (
     COMMON_DOMAINS, NON_NEGATIVE_INT, POSITIVE_INT, Domain, Names, check_values, flag_names, split_problem,
     writable_file_problem,
 )
-from ..cuda_memory.snapshot import add_snapshot_argument, snapshot_flag_problem
+from ..memory_model.snapshot import add_snapshot_argument, snapshot_flag_problem
 from ..memory import BudgetError, parse_budget
 from ..train.args import EXTENSIONS_GROUP
 from .results import RESULT_FORMATS

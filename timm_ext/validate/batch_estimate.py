@@ -1,6 +1,6 @@
 """validate.py's batch from the memory estimate: where `--retry` starts, and `--estimate`'s plan on any machine.
 
-The forward pass validate.py runs is traced on fake tensors (`timm_ext.probe.estimate`, step 'validate': the weights
+The forward pass validate.py runs is traced on fake tensors (`timm_ext.memory_model.estimate`, step 'validate': the weights
 alone resident, `inference_mode`, the run's AMP, dtype, layout and input size, the prefetcher's next batch held), and
 its predicted peak gives the largest batch within a budget. `--retry` then starts its pass at the largest size of
 validate's decay grid under that (when the asked `-b` is larger): an estimate that is a little high costs one step
@@ -17,8 +17,8 @@ from timm.models import get_pretrained_cfg
 
 from ..batch_decay import decay_batch_step
 from ..memory import format_bytes, parse_budget, physical_memory
-from ..probe.device_memory import device_model, onednn_runs
-from ..probe.estimate import MemoryEstimate, estimate_memory
+from ..memory_model.devices import device_model, onednn_runs
+from ..memory_model.estimate import MemoryEstimate, estimate_memory
 from ..train.args import parse_args as parse_train_args
 
 __all__ = ['EVAL_HEADROOM', 'EvalBatchEstimate', 'estimate_eval_batch', 'start_batch']

@@ -1,6 +1,6 @@
 """What a device adds to the bytes a step's tensors hold: the stated model behind the memory estimate.
 
-A fake-tensor trace (`timm_ext.probe.memory_trace`) counts tensors only. A real step also needs what kernels allocate
+A fake-tensor trace (`timm_ext.memory_model.live_bytes`) counts tensors only. A real step also needs what kernels allocate
 for themselves, what libraries keep between ops, what the allocator holds beyond each request, and what the runtime
 keeps once a step has run. Each `DeviceModel` says how much of that it assumes (`assumptions`, printed with every
 estimate):
@@ -17,11 +17,11 @@ estimate):
   (`bench/bench_estimate.py`). With oneDNN on, convolutions keep scratchpads and reordered weights per shape instead,
   which are not modelled.
 * CUDA: the step's ordered event log is replayed on PyTorch's caching allocator with CUDA's own kernels
-  (`timm_ext.cuda_memory`): the answer is the least memory at which the step runs, segments and cuBLAS / cuDNN
+  (`timm_ext.memory_model`): the answer is the least memory at which the step runs, segments and cuBLAS / cuDNN
   workspaces included. The CUDA context (`CUDA_CONTEXT_BYTES`) lies outside the allocator. A budget given as a card's
   nominal size ('24GiB', '80GB') is read as that card: CUDA reports `CARD_REPORTED_SHARE` of it as total memory (an
   RTX 3090 sold as 24 GB shows 23.7 GiB), and the context comes off that. AMP is traced under CPU autocast with CUDA
-  autocast's float32 casts replayed (`timm_ext.probe.cuda_autocast`). Under gradient accumulation every micro-batch
+  autocast's float32 casts replayed (`timm_ext.memory_model.autocast_casts`). Under gradient accumulation every micro-batch
   after the first runs with the gradients resident (`MemoryEstimate.peak(..., accumulating=True)`). docs/gpu.md
   compares it with timm's published GPU tables; a GPU check is `bench/gpu_check.sh`.
 """

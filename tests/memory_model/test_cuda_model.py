@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from timm_ext.memory import parse_budget
-from timm_ext.probe.cuda_autocast import CudaAutocastCasts
-from timm_ext.probe.device_memory import CARD_REPORTED_SHARE, CUDA_CONTEXT_BYTES, card_memory, device_model
-from timm_ext.probe.estimate import MemoryEstimate, estimate_memory
-from timm_ext.probe.kernel_limits import KernelSizes, launch_limit
-from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
+from timm_ext.memory_model.autocast_casts import CudaAutocastCasts
+from timm_ext.memory_model.devices import CARD_REPORTED_SHARE, CUDA_CONTEXT_BYTES, card_memory, device_model
+from timm_ext.memory_model.estimate import MemoryEstimate, estimate_memory
+from timm_ext.memory_model.kernel_limits import KernelSizes, launch_limit
+from timm_ext.memory_model.live_bytes import CATEGORIES, LiveBytes
 from timm_ext.tune.estimate_plan import plan_from_estimate
 from timm_ext.train.args import parse_args
 

@@ -2,7 +2,7 @@
 c10/core/AllocatorConfig.h), on the plain-Python replay."""
 import pytest
 
-from timm_ext.cuda_memory.allocator import (CachingAllocator, OutOfMemory, expandable_segments_asked, round_size,
+from timm_ext.memory_model.allocator import (CachingAllocator, OutOfMemory, expandable_segments_asked, round_size,
                                             segment_size)
 
 MiB = 1 << 20

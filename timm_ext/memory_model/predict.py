@@ -1,7 +1,7 @@
 """The CUDA answer of a memory estimate: a traced step's logs replayed on the caching allocator at any batch.
 
-`CudaReplay` holds the step's log at two traced batch sizes, lined up (`timm_ext.cuda_memory.events.ScaledLog`), and
-answers what `timm_ext.probe.estimate.MemoryEstimate` asks on CUDA: the least memory a batch needs
+`CudaReplay` holds the step's log at two traced batch sizes, lined up (`timm_ext.memory_model.events.ScaledLog`), and
+answers what `timm_ext.memory_model.estimate.MemoryEstimate` asks on CUDA: the least memory a batch needs
 (`least_memory`), and the largest batch a budget holds (`largest_batch`). Results are memoized: a table and a plan
 ask the same batches more than once.
 """
@@ -21,7 +21,7 @@ class CudaReplay:
 
     Attributes:
         log: `ScaledLog.to_json()` of the step.
-        config: The replay's settings (`timm_ext.cuda_memory.replay.ReplayConfig`); expandable segments as the
+        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); expandable segments as the
             environment asks when not given.
     """
     log: dict
@@ -48,7 +48,7 @@ class CudaReplay:
 
     def save_snapshot(self, batch_size: int, capacity: int, path: str, describe: str,
                       accumulating: bool = False) -> List[str]:
-        """Write the predicted memory snapshot of `batch_size` in `capacity` bytes (`timm_ext.cuda_memory.snapshot`);
+        """Write the predicted memory snapshot of `batch_size` in `capacity` bytes (`timm_ext.memory_model.snapshot`);
         the report's lines."""
         from .snapshot import save_predicted_snapshot
         return save_predicted_snapshot(self.scaled.at(max(1, batch_size)), capacity, self._config(accumulating), path,

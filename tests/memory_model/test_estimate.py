@@ -12,10 +12,11 @@ from timm.models import register_model
 
 from conftest import REPO_ROOT
 from timm_ext.memory import PeakMeter, data_and_stack, memory_cap, steady_cpu_heap
-from timm_ext.probe.device_memory import CPU_ESTIMATE_MARGIN
-from timm_ext.probe.estimate import TRACE_BATCHES, EstimateError, _traced_reply, estimate_memory, in_child
-from timm_ext.probe.forked import fork_runs_autograd, isolate_trials
-from timm_ext.probe.memory_trace import CATEGORIES, LiveBytes
+from timm_ext.memory_model.devices import CPU_ESTIMATE_MARGIN
+from timm_ext.memory_model.estimate import TRACE_BATCHES, EstimateError, _traced_reply, estimate_memory, in_child
+from timm_ext.child_process import fork_runs_autograd
+from timm_ext.probe.forked import isolate_trials
+from timm_ext.memory_model.live_bytes import CATEGORIES, LiveBytes
 from timm_ext.probe.measure import measured_trial
 from timm_ext.probe.trial import build_train_trial
 from timm_ext.probe.trial_host import hosted_trials
@@ -111,7 +112,7 @@ MEASURE = 'import json, sys\nimport test_estimate as t\nif sys.argv[2] == "used"
 def measured_in_a_new_process(model: str, history: str = 'fresh') -> dict:
     """`_measured_peaks` in an interpreter of its own (the heap setting is process-wide; this one's history is the
     suite's), after `_use_the_process` when `history` is 'used'."""
-    env = {**os.environ, 'PYTHONPATH': f'{REPO_ROOT}:{REPO_ROOT / "tests"}:{REPO_ROOT / "tests" / "probe"}',
+    env = {**os.environ, 'PYTHONPATH': f'{REPO_ROOT}:{REPO_ROOT / "tests"}:{REPO_ROOT / "tests" / "memory_model"}',
            'OMP_NUM_THREADS': '1'}
     done = subprocess.run([sys.executable, '-c', MEASURE, model, history], capture_output=True, text=True, env=env,
                           timeout=300)
@@ -158,7 +159,7 @@ def test_a_cuda_estimate_runs_without_a_gpu_and_rounds_like_the_caching_allocato
 def _nnpack_rule_and_real_peak() -> dict:
     """nnpack_kept on fake tensors at batch 14 and 16, and what the same convolution really holds (oneDNN off)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from timm_ext.probe.device_memory import nnpack_kept
+    from timm_ext.memory_model.devices import nnpack_kept
     steady_cpu_heap()
     torch.backends.mkldnn.enabled = False
     args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
@@ -187,8 +188,8 @@ def test_nnpack_keeps_its_kernel_transform_from_batch_16_as_the_rule_says():
 AFTER_A_BACKWARD = '''
 import json, sys, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from timm_ext.probe.estimate import estimate_memory
-from timm_ext.probe.forked import fork_runs_autograd
+from timm_ext.memory_model.estimate import estimate_memory
+from timm_ext.child_process import fork_runs_autograd
 from timm_ext.train.args import parse_args
 if sys.argv[1] == 'after':  # a fake backward, as a notebook that estimated before would have run
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -1,11 +1,11 @@
 """A traced step replayed on the caching allocator: the least memory it needs, and the largest batch that fits.
 
 The answer is the least device memory at which `iterations` steps run without an out-of-memory error, with the
-allocator's failure path (`timm_ext.cuda_memory.allocator`), found by bisection over segment-sized capacities. It is
+allocator's failure path (`timm_ext.memory_model.allocator`), found by bisection over segment-sized capacities. It is
 not the unlimited run's reserved peak: when the card runs short, the allocator releases its wholly free segments and
-tries again, and cuDNN's workspaces shrink to what is left (`timm_ext.cuda_memory.kernels`).
+tries again, and cuDNN's workspaces shrink to what is left (`timm_ext.memory_model.kernels`).
 
-A step log (`timm_ext.cuda_memory.events.step_log`) is replayed as the training loop runs it: what was live before the
+A step log (`timm_ext.memory_model.events.step_log`) is replayed as the training loop runs it: what was live before the
 step is allocated first (weights, optimizer state, the resident batch), then the step's events `iterations` times,
 each step freeing what the step before it left (its output, its gradients) where the trace freed it. Under gradient
 accumulation (`accumulating`) the gradients stay resident and each new one is a temporary summed into them.
@@ -149,7 +149,7 @@ def largest_batch(log_at: Callable[[int], dict], capacity: int, guess: int, conf
     """The largest batch whose step runs in `capacity` bytes (0: not even 1), searched from `guess` up or down.
 
     Args:
-        log_at: The step log at a batch size (`timm_ext.cuda_memory.events.ScaledLog.at`).
+        log_at: The step log at a batch size (`timm_ext.memory_model.events.ScaledLog.at`).
         limit: A batch never to pass (the kernels' launch limits).
     """
     def holds(batch: int) -> bool:

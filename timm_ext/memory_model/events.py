@@ -1,9 +1,9 @@
 """The ordered log of a traced step: every allocation and free, with its size, category, op and module.
 
-`EventLog` is `timm_ext.probe.memory_trace.LiveBytes` (the same categories and peaks) that also writes down, in
+`EventLog` is `timm_ext.memory_model.live_bytes.LiveBytes` (the same categories and peaks) that also writes down, in
 execution order, each storage an op creates (`['a', bytes, category, op, module]`), each one Python frees (`['f',
 key]`), and for the ops whose CUDA kernels allocate differently from the CPU kernels the trace ran, their shapes
-(`['o', signature, module, *numbers]`, read by `timm_ext.cuda_memory.kernels`). Strings are interned in `names`.
+(`['o', signature, module, *numbers]`, read by `timm_ext.memory_model.kernels`). Strings are interned in `names`.
 
 `step_log` cuts one step out of the log: what was live before it and stays (`residents`), its events with keys
 numbered within the step, and the frees of what the step before left (`['p', category, op, module, rank]`: the
@@ -14,8 +14,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from ..probe.memory_trace import LiveBytes
 from .kernels import describe_op
+from .live_bytes import LiveBytes
 
 __all__ = ['EventLog', 'step_log', 'ScaledLog', 'AlignmentError']
 

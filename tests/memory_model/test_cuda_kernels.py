@@ -5,8 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from timm_ext.cuda_memory.events import EventLog
-from timm_ext.cuda_memory.kernels import cublas_workspace_bytes, cuda_allocations
+from timm_ext.memory_model.events import EventLog
+from timm_ext.memory_model.kernels import cublas_workspace_bytes, cuda_allocations
 
 MiB = 1 << 20
 

@@ -2,12 +2,12 @@
 
 `estimate_memory` builds the run with train.py's builder (`timm_ext.train.stack`: model, task and loss with mixup, label
 smoothing or distillation, optimizer, EMA, AMP, channels_last, grad checkpointing) and runs the probe trial's own update
-(`timm_ext.probe.trial_steps.trial_train_step`) on fake tensors (`torch._subclasses.FakeTensorMode`): shapes and dtypes
-without storage, so no activation is allocated. `timm_ext.probe.memory_trace.LiveBytes` counts what each op would hold;
+(`timm_ext.train.trial_steps.trial_train_step`) on fake tensors (`torch._subclasses.FakeTensorMode`): shapes and dtypes
+without storage, so no activation is allocated. `timm_ext.memory_model.live_bytes.LiveBytes` counts what each op would hold;
 a warm-up update at batch 2 creates the optimizer state, then an update at each of `TRACE_BATCHES` gives the peak split
 into weights, gradients, optimizer state, activations and temporaries. Each category is fitted linear in the batch size
 (least squares), so `MemoryEstimate.peak(b)` is the sum of five lines plus what the device adds
-(`timm_ext.probe.device_memory`).
+(`timm_ext.memory_model.devices`).
 
 The model is built for real (timm models read tensor values while they are built, which fake tensors refuse) and
 then moved onto fake tensors (`to_empty`): the weights cost their real size once, the activations nothing. A model
@@ -24,20 +24,19 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..child_process import call_uncapped
 from ..errors import TimmExtError
 from ..memory import format_bytes
 from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
-from ..cuda_memory.events import EventLog
-from ..cuda_memory.predict import CudaReplay, trace_logs
-from ..cuda_memory.replay import ReplayConfig
-from .cuda_autocast import CudaAutocastCasts
-from .device_memory import DeviceModel, device_model
+from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
+from .autocast_casts import CudaAutocastCasts
+from .devices import DeviceModel, device_model
+from .events import EventLog
 from .kernel_limits import KernelSizes, launch_limit
-from .memory_trace import CATEGORIES, LiveBytes
-from .forked import call_uncapped
-from .trial import probe_input_size
-from .trial_steps import trial_eval_forward, trial_loop, trial_train_step
+from .live_bytes import CATEGORIES, LiveBytes
+from .predict import CudaReplay, trace_logs
+from .replay import ReplayConfig
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
@@ -66,8 +65,8 @@ class MemoryEstimate:
         grad_bytes: The gradients' bytes on the device: resident through every micro-batch but the first of an
             accumulation window (`accumulating`).
         kernel_sizes: CUDA: per sample, the sizes that bound the batch whatever the memory
-            (`timm_ext.probe.kernel_limits`).
-        replay: CUDA: the step's event log on the caching allocator (`timm_ext.cuda_memory`), which answers `peak`
+            (`timm_ext.memory_model.kernel_limits`).
+        replay: CUDA: the step's event log on the caching allocator (`timm_ext.memory_model`), which answers `peak`
             and `largest_batch` (None where the logs of two batch sizes did not line up: the lines answer).
         flops_per_sample: The traced step's FLOPs per sample (`torch.utils.flop_counter`, at the largest batch;
             recomputed forwards included).
@@ -272,7 +271,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
 
     Args:
         args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified.
-        device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.probe.device_memory.device_model`).
+        device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.memory_model.devices.device_model`).
         onednn: CPU: whether oneDNN will run the convolutions.
         batches: The batch sizes traced (at least two).
         step_kind: One of `STEPS`: 'train' (an update), 'eval' (train.py's evaluation forward, the optimizer state

@@ -2,19 +2,35 @@
 
 Both are built on the run's own stack (`timm_ext.train.stack`) and loop (`timm_ext.train.loop.TrainLoop`) and hold
 what DDP would hold besides (a buffer the size of the gradients for its buckets). The training trial
-(`timm_ext.probe.trial`) runs them on the device; the memory estimate (`timm_ext.probe.estimate`) traces the update
+(`timm_ext.probe.trial`) runs them on the device; the memory estimate (`timm_ext.memory_model.estimate`) traces the update
 on fake tensors.
 """
 import argparse
-from typing import Callable, ContextManager, Tuple
+from typing import Callable, ContextManager, List, Tuple
 
 import torch
 
-from ..train.loop import LoopConfig, TrainLoop
-from ..train.setup import mixup_active
-from ..train.stack import TrainingStack
+from .loop import LoopConfig, TrainLoop
+from .setup import mixup_active
+from .stack import TrainingStack
 
-__all__ = ['trial_loop', 'trial_train_step', 'trial_eval_forward', 'trial_eval_step']
+__all__ = ['schedule_inputs', 'probe_input_size', 'trial_loop', 'trial_train_step', 'trial_eval_forward', 'trial_eval_step']
+
+
+def schedule_inputs(args: argparse.Namespace, channels: int) -> List[Tuple[int, int, int]]:
+    """The (C, H, W) of each `--train-img-sizes` entry, in the schedule's order (none without a schedule)."""
+    inputs = []
+    for size in getattr(args, 'train_img_sizes', None) or ():
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        inputs.append((channels, int(height), int(width)))
+    return inputs
+
+
+def probe_input_size(args: argparse.Namespace, data_config: dict) -> Tuple[int, ...]:
+    """The largest input (C, H, W) the run will train on: the model's / --input-size / --img-size, or the biggest
+    of a --train-img-sizes schedule (the first of equal ones)."""
+    model_input = tuple(data_config['input_size'])
+    return max([model_input, *schedule_inputs(args, model_input[0])], key=lambda size: size[1] * size[2])
 
 
 def trial_loop(args: argparse.Namespace, stack: TrainingStack, device: torch.device) -> TrainLoop:

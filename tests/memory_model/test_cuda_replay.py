@@ -5,9 +5,9 @@ import torch.nn as nn
 from timm.models.convnext import ConvNeXtBlock
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from timm_ext.cuda_memory.allocator import ROUND_LARGE
-from timm_ext.cuda_memory.events import AlignmentError, EventLog, ScaledLog, step_log
-from timm_ext.cuda_memory.replay import UNLIMITED, ReplayConfig, fits, largest_batch, least_memory, replay
+from timm_ext.memory_model.allocator import ROUND_LARGE
+from timm_ext.memory_model.events import AlignmentError, EventLog, ScaledLog, step_log
+from timm_ext.memory_model.replay import UNLIMITED, ReplayConfig, fits, largest_batch, least_memory, replay
 
 PLAIN = ReplayConfig(cudnn_benchmark=False)
 

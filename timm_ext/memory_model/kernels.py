@@ -1,9 +1,9 @@
 """What CUDA's kernels allocate that the CPU kernels the trace ran do not: rules read from the PyTorch sources.
 
 A fake-tensor trace sees each op's outputs, not what a kernel allocates for itself while it runs. Where the CUDA
-kernel differs, `describe_op` writes the op's shapes into the event log (`timm_ext.cuda_memory.events`), and
+kernel differs, `describe_op` writes the op's shapes into the event log (`timm_ext.memory_model.events`), and
 `cuda_allocations` turns them into the allocations the CUDA kernel makes, for the replay
-(`timm_ext.cuda_memory.replay`). Each rule names its source (torch 2.14):
+(`timm_ext.memory_model.replay`). Each rule names its source (torch 2.14):
 
 * cuBLAS (aten/src/ATen/cuda/CublasHandlePool.cpp): the first matrix product on a handle allocates its workspace
   through the caching allocator and keeps it; handles are per thread, and autograd runs a CUDA backward on its own
