@@ -102,20 +102,23 @@ class MemoryEstimate:
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
 
+        On CUDA the replay is the answer: the allocated blocks by category at the replay's peak, and 'segments', what
+        the least memory the step runs in holds beyond them (free blocks of its segments). Elsewhere (and for an
+        estimate without a replay) the fitted lines.
+
         Args:
             batch_size: The micro-batch.
             accumulating: A micro-batch after the first of an accumulation window: all gradients are resident
                 from its start (the trace's update begins without them).
         """
+        if self.replay is not None:
+            return self.device.on_device(self.replay.split(batch_size, accumulating))
         # unclipped: the lines add up to the line of the traced peak (least squares is linear), whichever category
         # the peak's moment moves between as the batch grows
         split = {name: a + b * batch_size for name, (a, b) in self.lines.items()}
         if accumulating:  # the traced peak may hold some gradients already: the rest comes on top
             split['gradients'] += max(0.0, self.grad_bytes - split['gradients'])
-        split = self.device.on_device(split)
-        if self.replay is not None:  # what the allocator holds beyond the live peak: segments' free blocks
-            split['segments'] = max(0.0, self.replay.least_memory(batch_size, accumulating) - sum(split.values()))
-        return split
+        return self.device.on_device(split)
 
     def peak(self, batch_size: int, accumulating: bool = False) -> float:
         """Predicted peak in the budget's units (CPU: above what the process held before the step)."""
@@ -148,14 +151,15 @@ class MemoryEstimate:
 
     def table(self, batch_sizes: Sequence[int], budget: Optional[int] = None) -> List[str]:
         """The per-batch table: predicted peak by category, the total, and its share of `budget`."""
-        names = list(self.categories(1))
+        splits = {b: self.categories(b) for b in batch_sizes}
+        names = [n for n in dict.fromkeys(n for split in splits.values() for n in split)
+                 if any(split.get(n, 0) for split in splits.values())]
         head = f'{"batch":>7s} ' + ' '.join(f'{n:>12s}' for n in names) + f' {"peak":>11s}'
         rows = [head + ('  of budget' if budget else '')]
-        for b in batch_sizes:
-            split = self.categories(b)
+        for b, split in splits.items():
             counted = self.device.counted(split)
             share = f'  {counted / budget:9.0%}' if budget else ''
-            rows.append(f'{b:>7d} ' + ' '.join(f'{format_bytes(max(0.0, split[n])):>12s}' for n in names)
+            rows.append(f'{b:>7d} ' + ' '.join(f'{format_bytes(max(0.0, split.get(n, 0))):>12s}' for n in names)
                         + f' {format_bytes(counted):>11s}' + share)
         return rows
 

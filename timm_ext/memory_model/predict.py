@@ -9,8 +9,12 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from . import replay as replays
-from .allocator import expandable_segments_asked
+from .allocator import Block, CachingAllocator, expandable_segments_asked
 from .events import ScaledLog
+from .live_bytes import CATEGORIES
+
+# what a replayed block is filed under: the trace's categories of tensors, and the kernels' own workspaces
+STEP_CATEGORIES = (*CATEGORIES[:5], 'workspace')
 
 __all__ = ['CudaReplay', 'trace_logs']
 
@@ -29,6 +33,7 @@ class CudaReplay:
         default_factory=lambda: replays.ReplayConfig(expandable=expandable_segments_asked()))
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)
+    _split: Dict[Tuple[int, bool], Dict[str, int]] = field(default_factory=dict, repr=False)
 
     @property
     def scaled(self) -> ScaledLog:
@@ -46,6 +51,18 @@ class CudaReplay:
             self._least[key] = replays.least_memory(self.scaled.at(max(1, batch_size)), self._config(accumulating))
         return self._least[key]
 
+    def split(self, batch_size: int, accumulating: bool = False) -> Dict[str, int]:
+        """What the least memory of `batch_size` holds at the replay's peak: the allocated blocks by category
+        (the trace's categories, 'workspace' for the kernels' own), and 'segments', the rest of the segments."""
+        key = (batch_size, accumulating)
+        if key not in self._split:
+            least = self.least_memory(batch_size, accumulating)
+            allocator = replays.replay(self.scaled.at(max(1, batch_size)), least, self._config(accumulating),
+                                       allocator_type=_SplitAtPeak)
+            self._split[key] = {**dict.fromkeys(STEP_CATEGORIES, 0), **allocator.split_at_peak,
+                                'segments': least - allocator.peak_allocated}
+        return self._split[key]
+
     def save_snapshot(self, batch_size: int, capacity: int, path: str, describe: str,
                       accumulating: bool = False) -> List[str]:
         """Write the predicted memory snapshot of `batch_size` in `capacity` bytes (`timm_ext.memory_model.snapshot`);
@@ -58,6 +75,28 @@ class CudaReplay:
                       limit: Optional[int] = None) -> int:
         """The largest batch that runs in `capacity` bytes of allocator memory (0: not even 1)."""
         return replays.largest_batch(self.scaled.at, int(capacity), guess, self._config(accumulating), limit)
+
+
+class _SplitAtPeak(CachingAllocator):
+    """An allocator that keeps its allocated bytes by category (a block's tag starts with it) at its peak."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._by_category: Dict[str, int] = {}
+        self.split_at_peak: Dict[str, int] = {}
+
+    def malloc(self, nbytes: int, tag: object = None) -> Block:
+        block = super().malloc(nbytes, tag)
+        category = tag[0] if tag else 'other'
+        self._by_category[category] = self._by_category.get(category, 0) + block.size
+        if self.allocated >= self.peak_allocated:
+            self.split_at_peak = dict(self._by_category)
+        return block
+
+    def free(self, block: Block) -> None:
+        category = block.tag[0] if block.tag else 'other'
+        self._by_category[category] -= block.size
+        super().free(block)
 
 
 def trace_logs(steps: Dict[int, Tuple[int, int]], events: list, names: list, order: list) -> Optional[dict]:
