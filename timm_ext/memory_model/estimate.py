@@ -18,6 +18,7 @@ left out of the trace (its overflow check reads a value; it holds two scalars an
 import argparse
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -143,6 +144,14 @@ class MemoryEstimate:
         if self.replay is not None:  # the line aims the replay's search
             return self.replay.largest_batch(limit, max(1, by_memory), accumulating, self.launch_limit[0])
         return min(by_memory, self.launch_limit[0] or by_memory)
+
+    @property
+    def replay_note(self) -> str:
+        """How the CUDA replay read the step at other batches ('' where one scaled log answers every batch)."""
+        if self.replay is None or self.replay.aligned:
+            return ''
+        return (f'the step\'s logs at two batch sizes did not line up event by event, so each batch asked was traced '
+                f'on its own ({len(self.replay.traced_batches)} traced: {self.replay.traced_batches})')
 
     @property
     def launch_limit(self) -> Tuple[Optional[int], str]:
@@ -285,9 +294,27 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
     device = device_model(device_type, onednn)
-    reply = in_child(_traced_reply, args, device_type, onednn, tuple(batches), step_kind)
+    estimate = MemoryEstimate.from_json(_traced(args, device_type, onednn, tuple(batches), step_kind), device)
+    if estimate.replay is not None and not estimate.replay.aligned:  # each batch the plan asks is traced on its own
+        estimate.replay.retrace = functools.partial(_step_log_at, args, device_type, onednn, step_kind)
+    return estimate
+
+
+def _traced(args: argparse.Namespace, device_type: str, onednn: bool, batches: Tuple[int, ...],
+            step_kind: str) -> dict:
+    """The trace's JSON from a child of its own.
+
+    Raises:
+        EstimateError: The step cannot be traced (or the child died).
+    """
+    reply = in_child(_traced_reply, args, device_type, onednn, batches, step_kind)
     if reply is None:
         raise EstimateError(f'the estimate of {args.model} died before it finished (its process gave no answer)')
     if 'error' in reply:
         raise EstimateError(reply['error'])
-    return MemoryEstimate.from_json(reply, device)
+    return reply
+
+
+def _step_log_at(args: argparse.Namespace, device_type: str, onednn: bool, step_kind: str, batch: int) -> dict:
+    """The step's log at `batch`, traced there (with the batch after it: a trace's log is read at two sizes)."""
+    return CudaReplay(_traced(args, device_type, onednn, (batch, batch + 1), step_kind)['log']).log_at(batch)

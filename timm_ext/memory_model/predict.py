@@ -6,7 +6,7 @@ answers what `timm_ext.memory_model.estimate.MemoryEstimate` asks on CUDA: the l
 ask the same batches more than once.
 """
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import replay as replays
 from .allocator import Block, CachingAllocator, expandable_segments_asked
@@ -21,16 +21,18 @@ __all__ = ['CudaReplay', 'trace_logs']
 
 @dataclass
 class CudaReplay:
-    """A step's scaled log and how the run replays it.
+    """A step's log at any batch, and how the run replays it.
 
     Attributes:
-        log: `ScaledLog.to_json()` of the step.
+        log: `ScaledLog.to_json()` of the step; where the logs of two batch sizes did not line up event by event,
+            {'traced': {batch: step log}}: a batch not traced is traced on its own (`retrace`).
         config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); expandable segments as the
             environment asks when not given.
     """
     log: dict
     config: replays.ReplayConfig = field(
         default_factory=lambda: replays.ReplayConfig(expandable=expandable_segments_asked()))
+    retrace: Optional[Callable[[int], dict]] = field(default=None, repr=False)  # the step log of a batch, traced
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)
     _split: Dict[Tuple[int, bool], Dict[str, int]] = field(default_factory=dict, repr=False)
@@ -41,6 +43,32 @@ class CudaReplay:
             self._scaled = ScaledLog.from_json(self.log)
         return self._scaled
 
+    @property
+    def aligned(self) -> bool:
+        """Whether one scaled log answers every batch (else each batch asked is traced on its own)."""
+        return 'traced' not in self.log
+
+    @property
+    def traced_batches(self) -> List[int]:
+        """The batches traced on their own (none where the log scales)."""
+        return [] if self.aligned else sorted(int(b) for b in self.log['traced'])
+
+    def log_at(self, batch_size: int) -> dict:
+        """The step's log at `batch_size` (at least 1): scaled, or traced at that batch.
+
+        Raises:
+            LookupError: The logs did not line up, the batch was not traced and nothing can trace it.
+        """
+        batch = max(1, batch_size)
+        if self.aligned:
+            return self.scaled.at(batch)
+        traced = self.log['traced']
+        if str(batch) not in traced:
+            if self.retrace is None:
+                raise LookupError(f'the step was traced at {self.traced_batches} only, and its logs do not scale')
+            traced[str(batch)] = self.retrace(batch)
+        return traced[str(batch)]
+
     def _config(self, accumulating: bool) -> replays.ReplayConfig:
         return replace(self.config, accumulating=self.config.accumulating or accumulating)
 
@@ -48,7 +76,7 @@ class CudaReplay:
         """The least allocator capacity at which `batch_size` runs (bytes, a multiple of 2 MiB)."""
         key = (batch_size, accumulating)
         if key not in self._least:
-            self._least[key] = replays.least_memory(self.scaled.at(max(1, batch_size)), self._config(accumulating))
+            self._least[key] = replays.least_memory(self.log_at(batch_size), self._config(accumulating))
         return self._least[key]
 
     def split(self, batch_size: int, accumulating: bool = False) -> Dict[str, int]:
@@ -57,7 +85,7 @@ class CudaReplay:
         key = (batch_size, accumulating)
         if key not in self._split:
             least = self.least_memory(batch_size, accumulating)
-            allocator = replays.replay(self.scaled.at(max(1, batch_size)), least, self._config(accumulating),
+            allocator = replays.replay(self.log_at(batch_size), least, self._config(accumulating),
                                        allocator_type=_SplitAtPeak)
             self._split[key] = {**dict.fromkeys(STEP_CATEGORIES, 0), **allocator.split_at_peak,
                                 'segments': least - allocator.peak_allocated}
@@ -68,13 +96,13 @@ class CudaReplay:
         """Write the predicted memory snapshot of `batch_size` in `capacity` bytes (`timm_ext.memory_model.snapshot`);
         the report's lines."""
         from .snapshot import save_predicted_snapshot
-        return save_predicted_snapshot(self.scaled.at(max(1, batch_size)), capacity, self._config(accumulating), path,
+        return save_predicted_snapshot(self.log_at(batch_size), capacity, self._config(accumulating), path,
                                        f'{describe}, batch {batch_size}')
 
     def largest_batch(self, capacity: float, guess: int, accumulating: bool = False,
                       limit: Optional[int] = None) -> int:
         """The largest batch that runs in `capacity` bytes of allocator memory (0: not even 1)."""
-        return replays.largest_batch(self.scaled.at, int(capacity), guess, self._config(accumulating), limit)
+        return replays.largest_batch(self.log_at, int(capacity), guess, self._config(accumulating), limit)
 
 
 class _SplitAtPeak(CachingAllocator):
@@ -99,9 +127,9 @@ class _SplitAtPeak(CachingAllocator):
         super().free(block)
 
 
-def trace_logs(steps: Dict[int, Tuple[int, int]], events: list, names: list, order: list) -> Optional[dict]:
+def trace_logs(steps: Dict[int, Tuple[int, int]], events: list, names: list, order: list) -> dict:
     """The scaled log of the last two traced batch sizes, from an `EventLog`'s events and each step's (start, end);
-    None when the two do not line up (the estimate then has no replay).
+    where the two do not line up, both logs as traced (`CudaReplay.log`).
 
     Args:
         steps: Batch size -> the step's (start, end) in `events`.
@@ -119,4 +147,4 @@ def trace_logs(steps: Dict[int, Tuple[int, int]], events: list, names: list, ord
     try:
         return ScaledLog(logs[low_batch], low_batch, logs[high_batch], high_batch).to_json()
     except AlignmentError:
-        return None
+        return dict(traced={str(batch): log for batch, log in logs.items()})

@@ -49,7 +49,8 @@ class EvalBatchEstimate:
                 f'Assumed: {self.estimate.device.assumptions}.',
                 f'Budget {budget_text}: {format_bytes(usable)} to plan in; headroom {EVAL_HEADROOM:.0%}: the largest '
                 f'batch predicted is {self.batch_size} '
-                f'({format_bytes(self.estimate.peak(max(1, self.batch_size)))} at its peak).']
+                f'({format_bytes(self.estimate.peak(max(1, self.batch_size)))} at its peak).',
+                *([f'Replay: {self.estimate.replay_note}.'] if self.estimate.replay_note else [])]
 
 
 def _estimate_args(args: argparse.Namespace, model_name: str) -> argparse.Namespace:
