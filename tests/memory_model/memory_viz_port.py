@@ -224,6 +224,6 @@ def allocator_state(snapshot: dict, index: int, device: int = 0) -> Tuple[int, i
         _undo(events[i], segments, blocks)
     for block in blocks.values():
         if not any(s['addr'] <= block['addr'] < s['addr'] + s['size'] for s in segments):
-            raise ViewerMismatch(f'block at {block["addr"]:#x} after event {index} lies in no segment (the page throws)')
+            raise ViewerMismatch(f'block at {block["addr"]:#x} after event {index} is in no segment (the page throws)')
     return (sum(s['size'] for s in segments), sum(b['requested_size'] for b in blocks.values()), segments,
             list(blocks.values()))

@@ -3,12 +3,12 @@
 Each rule names the PyTorch source it was read from. The viewer's reading is `memory_viz_port` (a port of the
 memory_viz page's MemoryViz.js); torch's own `torch.cuda._memory_viz` (2.14.1, installed) runs on the written files.
 """
-import os
 import pickle
 import pickletools
 import re
-import subprocess
+import runpy
 import sys
+import warnings
 
 from conftest import run_script
 from memory_viz_port import allocator_state, annotate, process_alloc_data
@@ -160,25 +160,26 @@ def test_the_file_is_one_the_page_can_unpickle(tmp_path):
     assert {op.name for op, _, _ in ops} <= PAGE_OPCODES
 
 
-def read_by_torch(path, home) -> dict:
-    """`python -m torch.cuda._memory_viz stats|trace|segments PATH`, in one process (runpy runs the module as -m
-    does; `segments` renders with flamegraph.pl, which it downloads on first use: here a stand-in that echoes)."""
+def read_by_torch(path, home, monkeypatch, capsys) -> dict:
+    """`python -m torch.cuda._memory_viz stats|trace|segments PATH`'s outputs (runpy runs the module as -m does;
+    `segments` renders with flamegraph.pl, which it downloads on first use: here a stand-in that echoes)."""
     script = home / '.cache' / 'flamegraph.pl'
     script.parent.mkdir(exist_ok=True)
     script.write_text('#!/bin/sh\ncat\n')
     script.chmod(0o755)
-    code = ('import runpy, sys\nfor argv in sys.argv[1:]:\n    sys.argv = ["_memory_viz", *argv.split("|")]\n'
-            '    print("=====", argv.split("|")[0], flush=True)\n'
-            '    runpy.run_module("torch.cuda._memory_viz", run_name="__main__", alter_sys=True)\n')
-    done = subprocess.run([sys.executable, '-c', code, f'stats|{path}', f'trace|{path}',
-                           f'segments|{path}|-o|{home / "segments.txt"}'], capture_output=True, text=True,
-                          env={**os.environ, 'HOME': str(home)}, timeout=120)
-    assert done.returncode == 0, done.stderr
-    parts = dict(part.split('\n', 1) for part in done.stdout.split('===== ')[1:])
-    return dict(parts, segments=(home / 'segments.txt').read_text())
+    monkeypatch.setenv('HOME', str(home))
+    outputs = {}
+    for action, *extra in (('stats',), ('trace',), ('segments', '-o', str(home / 'segments.txt'))):
+        monkeypatch.setattr(sys, 'argv', ['_memory_viz', action, str(path), *extra])
+        with warnings.catch_warnings():  # runpy's note that torch.cuda imported the module already
+            warnings.simplefilter('ignore', RuntimeWarning)
+            runpy.run_module('torch.cuda._memory_viz', run_name='__main__', alter_sys=True)
+        outputs[action] = capsys.readouterr().out
+    outputs['segments'] = (home / 'segments.txt').read_text()
+    return outputs
 
 
-def assert_read_as_written(path, home) -> None:
+def assert_read_as_written(path, home, monkeypatch, capsys) -> None:
     """The page and torch's `_memory_viz` read the file as a real one: no block the trace freed drawn as never freed,
     the replay's peak at the top of the timeline, and every free matched by an alloc of the trace."""
     snapshot = pickle.loads(path.read_bytes())
@@ -188,31 +189,31 @@ def assert_read_as_written(path, home) -> None:
     assert page['at_peak'] == (figures['reserved_at_peak'], figures['requested_at_peak']) and page['before'] == (0, 0)
     if not snapshot['allocator_settings']['expandable_segments']:
         assert page['segments']['max_size'] == figures['peak_reserved']
-    torch_read = read_by_torch(path, home)
+    torch_read = read_by_torch(path, home, monkeypatch, capsys)
     assert f'segments: {len(snapshot["segments"])}' in torch_read['stats']
     assert re.search(r'^Device 0 -+\n\d+ entries\n', torch_read['trace'])
     assert not re.search(r'^del \d|free completed for \d', torch_read['trace'], re.M)  # a free of no alloc: its address
     assert 'active_allocated' in torch_read['segments']
 
 
-def test_validate_writes_a_snapshot_the_viewer_reads_as_written(tmp_path):
+def test_validate_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monkeypatch, capsys):
     path = tmp_path / 's.pickle'
-    done = run_script('validate.py', '--model', 'test_resnet', '--device', 'cuda', '--mem-budget', '2GiB',
+    done = run_script('validate.py', '--model', 'test_vit', '--device', 'cuda', '--mem-budget', '2GiB',
                       '--estimate', '--memory-snapshot', path, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert 'Memory snapshot (predicted' in done.stdout and '--memory-snapshot' not in done.stdout.split('command:')[1]
-    assert_read_as_written(path, tmp_path)
+    assert_read_as_written(path, tmp_path, monkeypatch, capsys)
     assert (tmp_path / 's.png').stat().st_size > 10_000  # matplotlib is in the test requirements
 
 
-def test_tune_batch_writes_a_snapshot_the_viewer_reads_as_written(tmp_path):
+def test_tune_batch_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monkeypatch, capsys):
     path = tmp_path / 't.pickle'
-    done = run_script('tune_batch.py', '--model', 'test_vit', '--device', 'cuda', '--mem-budget', '2GiB',
-                      '--estimate', '--memory-snapshot', path, cwd=tmp_path,
+    done = run_script('tune_batch.py', '--model', 'test_resnet', '--img-size', '32', '--num-classes', '3', '--device',
+                      'cuda', '--mem-budget', '2GiB', '--estimate', '--memory-snapshot', path, cwd=tmp_path,
                       env={'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True'})
     assert done.returncode == 0, done.stderr
     assert pickle.loads(path.read_bytes())['allocator_settings']['expandable_segments']
-    assert_read_as_written(path, tmp_path)
+    assert_read_as_written(path, tmp_path, monkeypatch, capsys)
 
 
 def test_a_snapshot_needs_the_estimate_and_a_cuda_device(tmp_path):

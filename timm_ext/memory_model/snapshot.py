@@ -7,8 +7,8 @@ segment_plot s.pickle`, or the memory_viz page (https://pytorch.org/memory_viz).
 the end of that trace. The page reads the two together (MemoryViz.js `process_alloc_data`): a block active in the
 segments that no alloc of the trace still holds is drawn as allocated before the trace and never freed, so segments
 copied at any other moment than the end of the trace would draw blocks that do not exist. The trace keeps the whole
-replay, so the peak is in it: the Active Memory Timeline rises to it, and the Allocator State History shows the
-segments at the peak's event (`predicted['peak_event']`).
+replay, so the peak is in it: the Active Memory Timeline rises to it, and the Allocator State History stepped to the
+peak's alloc event (its `time_us` is `predicted['peak_event']`) shows the segments then.
 
 As torch writes them (c10/cuda/CUDACachingAllocator.cpp, `record_trace` calls): alloc, free_requested and
 free_completed events carry the size the caller asked for (`requested_size`), segment events the segment's (or, with
@@ -30,6 +30,7 @@ ROUNDUP_POWER2_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals (c10/core/Allocator
 
 
 def _frames(tag) -> List[dict]:
+    """A (category, op, module) tag as frames, innermost first: the op, then its category."""
     if not tag:
         return []
     category, op, where = tag
@@ -47,7 +48,8 @@ def _ranges(segment: Segment, expandable: bool) -> List[Tuple[int, int]]:
 
 def _segments(segment: Segment, expandable: bool, frames_at: Dict[int, list]) -> List[dict]:
     """`segment` as `_snapshot()` lists it (torch/csrc/cuda/memory_snapshot.cpp, `segmentInfoToDict`): each block's
-    address is the segment's plus the sizes before it; a free block has no frames and no requested size."""
+    address is the segment's plus the sizes before it. A free block has no frames (`free_block` drops its context) and
+    requested size 0 (torch keeps the last one, which no reader of a snapshot uses)."""
     dicts = []
     for start, end in _ranges(segment, expandable):
         blocks = []
