@@ -36,7 +36,7 @@ FREED_AFTER_THE_PEAK = step(('a', 30 * MiB + 100), ('a', 3 * MiB + 7), ('a', 700
 def read_by_the_page(snapshot: dict) -> dict:
     """What the memory_viz page shows of `snapshot`: its timelines and the allocator state at the replay's peak."""
     page = annotate(snapshot)
-    figures = snapshot['predicted']
+    figures = snapshot['predicted']  # the page lists the annotated events; time_us is an event's index in the file
     peak = next(i for i, e in enumerate(page['device_traces'][0]) if e['time_us'] == figures['peak_event'])
     return dict(timeline=process_alloc_data(page), segments=process_alloc_data(page, plot_segments=True),
                 at_peak=allocator_state(page, peak)[:2], before=allocator_state(page, -1)[:2])
