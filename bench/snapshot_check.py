@@ -5,14 +5,15 @@
 validate.py's forward (float16 AMP, cuDNN benchmark on) at the batch `validate.py --estimate` plans for the budget:
 the predicted snapshot is written as `validate.py --memory-snapshot` writes it, then the same forward runs for real
 with `torch.cuda.memory._record_memory_history` on, its allocator capped at the memory the plan counted on
-(`set_per_process_memory_fraction`). Prints both peaks side by side, whether the planned batch held, and
-`python -m torch.cuda._memory_viz compare` of the two snapshots. Exit status 1 when the planned batch ran out of
-memory.
+(`set_per_process_memory_fraction`). Both snapshots are taken the same way, `_snapshot()` after the steps. Prints
+side by side the peaks allocated and reserved, and the top of each trace's memory_viz timeline (the most requested
+bytes alive at once, as the page stacks the alloc and free events), how many of the real trace's alloc events carry a
+size that is no multiple of 512 B (requested sizes, as the predicted trace writes them), and whether the planned batch
+held. Exit status 1 when the planned batch ran out of memory.
 """
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +45,18 @@ def real_snapshot(model_name: str, batch: int, fraction: float, iterations: int,
     return held, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
+def timeline_top(snapshot: dict) -> int:
+    """The most bytes the trace holds at once: its alloc events' sizes less those of the free_completed events."""
+    alive = top = 0
+    for event in snapshot['device_traces'][0]:
+        if event['action'] == 'alloc':
+            alive += event['size']
+            top = max(top, alive)
+        elif event['action'] == 'free_completed':
+            alive -= event['size']
+    return top
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'gpu_check'))
@@ -66,17 +79,23 @@ def main(argv=None) -> int:
     batch, describe = planned.batch_size, planned.estimate.describe
     print('\n'.join(replay.save_snapshot(batch, planned.usable, predicted_path, describe)))
     with open(predicted_path, 'rb') as f:
-        figures = pickle.load(f)['predicted']
-    predicted = figures['peak_allocated'], figures['reserved_at_peak']
+        predicted = pickle.load(f)
+    figures = predicted['predicted']
     fraction = min(1.0, planned.usable / torch.cuda.get_device_properties(0).total_memory)
     held, allocated, reserved = real_snapshot(args.model, batch, fraction, replay.config.iterations, real_path)
-    print(f'{"":24s} {"predicted":>12s} {"real":>12s}')
-    print(f'{"peak allocated (GiB)":24s} {predicted[0] / GiB:12.3f} {allocated / GiB:12.3f}')
-    print(f'{"reserved at peak (GiB)":24s} {predicted[1] / GiB:12.3f} {reserved / GiB:12.3f}')
-    subprocess.run([sys.executable, '-m', 'torch.cuda._memory_viz', 'compare', predicted_path, real_path])
+    with open(real_path, 'rb') as f:
+        real = pickle.load(f)
+    print(f'{"":28s} {"predicted":>12s} {"real":>12s}')
+    for name, ours, theirs in (('peak allocated (GiB)', figures['peak_allocated'], allocated),
+                               ('peak reserved (GiB)', figures['peak_reserved'], reserved),
+                               ('timeline top (GiB)', timeline_top(predicted), timeline_top(real))):
+        print(f'{name:28s} {ours / GiB:12.3f} {theirs / GiB:12.3f}')
+    sizes = [e['size'] for e in real['device_traces'][0] if e['action'] == 'alloc']
+    print(f'real alloc events: {len(sizes)}, {sum(size % 512 != 0 for size in sizes)} of them with a size that is no '
+          f'multiple of 512 B (a requested size)')
     outcome = 'held' if held else 'ran out of memory'
     print(f'RESULT: batch {batch} in {planned.usable / GiB:.2f} GiB {outcome}; '
-          f'reserved predicted {predicted[1] / GiB:.2f} GiB, real {reserved / GiB:.2f} GiB')
+          f'reserved predicted {figures["peak_reserved"] / GiB:.2f} GiB, real {reserved / GiB:.2f} GiB')
     return 0 if held else 1
 
 

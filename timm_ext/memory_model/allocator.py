@@ -20,10 +20,11 @@ pages as it grows (2 MiB small, 20 MiB large), and on failure the pages no live 
 import bisect
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
-__all__ = ['OutOfMemory', 'Block', 'Segment', 'CachingAllocator', 'expandable_segments_asked', 'round_size',
-           'segment_size', 'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE']
+__all__ = ['OutOfMemory', 'Block', 'Segment', 'CachingAllocator', 'expandable_segments_asked', 'page_runs',
+           'round_size', 'segment_size', 'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC',
+           'ROUND_LARGE']
 
 MiB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -62,6 +63,17 @@ def expandable_segments_asked(environ: Mapping[str, str] = os.environ) -> bool:
         if key.strip() == 'expandable_segments':
             return value.strip().lower() == 'true'
     return False
+
+
+def page_runs(pages: Iterable[int]) -> List[Tuple[int, int]]:
+    """The runs of consecutive page indices in `pages`, as (first, end) pairs in order."""
+    runs: List[List[int]] = []
+    for index in sorted(pages):
+        if runs and runs[-1][1] == index:
+            runs[-1][1] += 1
+        else:
+            runs.append([index, index + 1])
+    return [(first, end) for first, end in runs]
 
 
 @dataclass(eq=False)
@@ -124,6 +136,12 @@ class CachingAllocator:
     def _event(self, action: str, address: int, size: int, tag: object = None) -> None:
         if self.trace is not None:
             self.trace.append(dict(action=action, addr=address, size=size, tag=tag))
+
+    def _page_events(self, action: str, segment: Segment, pages: Iterable[int]) -> None:
+        """One event per run of contiguous pages: `map_block` and `unmap_block` each record the one range they map."""
+        page = SMALL_BUFFER if segment.small else LARGE_BUFFER
+        for first, end in page_runs(pages):
+            self._event(action, segment.address + first * page, (end - first) * page)
 
     # -- segments --------------------------------------------------------------------------------------------------
     def _new_segment(self, size: int, small: bool) -> Optional[Block]:
@@ -201,8 +219,7 @@ class CachingAllocator:
             return False
         segment.mapped.update(missing)
         self._add_reserved(page * len(missing))
-        if missing:
-            self._event('segment_map', segment.address + first * page, page * len(missing))
+        self._page_events('segment_map', segment, missing)
         return True
 
     def _unmap_free_pages(self) -> bool:
@@ -218,7 +235,7 @@ class CachingAllocator:
             if unmapped:
                 segment.mapped -= unmapped
                 self.reserved -= page * len(unmapped)
-                self._event('segment_unmap', segment.address, page * len(unmapped))
+                self._page_events('segment_unmap', segment, unmapped)
                 released = True
         return released
 
@@ -257,13 +274,13 @@ class CachingAllocator:
         block.live, block.requested, block.tag = True, nbytes, tag
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self._event('alloc', block.address, block.size, tag)
+        self._event('alloc', block.address, nbytes, tag)
         return block
 
     def free(self, block: Block) -> None:
         """Return a live block to its pool, merged with its free neighbours."""
-        self._event('free_requested', block.address, block.size, block.tag)
-        self._event('free_completed', block.address, block.size, block.tag)
+        self._event('free_requested', block.address, block.requested, block.tag)
+        self._event('free_completed', block.address, block.requested, block.tag)
         block.live, block.tag = False, None
         self.allocated -= block.size
         blocks = block.segment.blocks
