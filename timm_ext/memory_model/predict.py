@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from . import replay as replays
-from .allocator import expandable_segments_asked
+from .allocator_config import allocator_config
 from .events import ScaledLog
 
 __all__ = ['CudaReplay', 'trace_logs']
@@ -21,12 +21,12 @@ class CudaReplay:
 
     Attributes:
         log: `ScaledLog.to_json()` of the step.
-        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); expandable segments as the
-            environment asks when not given.
+        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); the allocator options as the
+            environment sets them when not given (`timm_ext.memory_model.allocator_config.allocator_config`).
     """
     log: dict
     config: replays.ReplayConfig = field(
-        default_factory=lambda: replays.ReplayConfig(expandable=expandable_segments_asked()))
+        default_factory=lambda: replays.ReplayConfig(allocator=allocator_config()))
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)
 

@@ -64,7 +64,8 @@ def predicted_snapshot(log: dict, capacity: int, config: ReplayConfig = ReplayCo
                   **({'device_free': capacity - allocator.reserved} if e['action'] == 'oom' else {}))
              for i, e in enumerate(allocator.trace)]
     return dict(segments=allocator.at_peak, device_traces=[trace],
-                allocator_settings=dict(PYTORCH_CUDA_ALLOC_CONF=f'expandable_segments:{config.expandable}'),
+                allocator_settings=dict(
+                    PYTORCH_CUDA_ALLOC_CONF=f'expandable_segments:{config.allocator.expandable_segments}'),
                 predicted=dict(reserved_at_peak=allocator.reserved_at_peak, peak_allocated=allocator.peak_allocated,
                                peak_reserved=allocator.peak_reserved, capacity=capacity))
 
