@@ -10,8 +10,8 @@ from timm_ext.memory_model.allocator_config import AllocatorConfig, allocator_co
 
 MiB = 1 << 20
 # settings torch accepts or refuses, each for a rule of AllocatorConfig.h / AllocatorConfig.cpp / CUDAAllocatorConfig.cpp
-SETTINGS = ['expandable_segments:True', 'expandable_segments:true', 'expandable_segments:1', 'EXPANDABLE_SEGMENTS:True',
-            ' max_split_size_mb : 64 , expandable_segments:True,', 'max_split_size_mb:19', 'max_split_size_mb:abc',
+SETTINGS = ['expandable_segments:True', 'expandable_segments:true', 'expandable_segments:1',
+            'EXPANDABLE_SEGMENTS:True', ' max_split_size_mb : 64 , expandable_segments:True,', 'max_split_size_mb:19', 'max_split_size_mb:abc',
             'large_segment_size_mb:10', 'large_segment_size_mb:32,max_split_size_mb:24', 'max_non_split_rounding_mb:40',
             'roundup_power2_divisions:4', 'roundup_power2_divisions:3', 'roundup_power2_divisions:[256:1,512:2,>:4]',
             'roundup_power2_divisions:[3:1]', 'garbage_collection_threshold:0.6', 'garbage_collection_threshold:1.0',

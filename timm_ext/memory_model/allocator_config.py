@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Tuple
 from ..errors import UsageError
 
 __all__ = ['AllocatorConfig', 'allocator_config', 'allocator_setting', 'expandable_setting', 'parse_allocator_conf',
-           'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
+           'VARIABLES', 'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
 
 MiB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
