@@ -1,12 +1,14 @@
 """PyTorch 2.14's caching allocator rules, one test each (c10/cuda/CUDACachingAllocator.cpp; constants in
-c10/core/AllocatorConfig.h), on the plain-Python replay."""
+c10/core/AllocatorConfig.h), on the plain-Python replay, with the options a user sets (allocator_config)."""
 import pytest
 
-from timm_ext.memory_model.allocator import (CachingAllocator, OutOfMemory, expandable_segments_asked, round_size,
-                                            segment_size)
+from timm_ext.memory_model.allocator import CachingAllocator, OutOfMemory
+from timm_ext.memory_model.allocator_config import AllocatorConfig, parse_allocator_conf
 
 MiB = 1 << 20
 UNLIMITED = 1 << 50
+DEFAULT = AllocatorConfig()
+round_size, segment_size = DEFAULT.round_size, DEFAULT.segment_size
 
 
 def test_requests_are_rounded_up_to_512_bytes():  # round_size, kMinBlockSize
@@ -87,13 +89,6 @@ def test_a_segment_holding_a_live_block_is_never_released():
     del other
 
 
-def test_expandable_segments_are_read_from_either_variable_the_newer_first():
-    assert not expandable_segments_asked({})
-    assert expandable_segments_asked({'PYTORCH_CUDA_ALLOC_CONF': 'max_split_size_mb:64,expandable_segments:True'})
-    assert not expandable_segments_asked({'PYTORCH_ALLOC_CONF': 'expandable_segments:False',
-                                          'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True'})
-
-
 def test_expandable_segments_unmap_the_free_pages_of_a_pinned_segment_where_fixed_segments_run_out():
     def pinned_hole(allocator):  # a 60 MiB hole in front of a live 30 MiB block, then a 70 MiB request
         allocator.free(allocator.malloc(100 * MiB))
@@ -103,6 +98,83 @@ def test_expandable_segments_unmap_the_free_pages_of_a_pinned_segment_where_fixe
 
     with pytest.raises(OutOfMemory):  # the 100 MiB segment holds the pin, so it cannot be released: 100 + 70 > 150
         pinned_hole(CachingAllocator(150 * MiB))
-    expandable = CachingAllocator(150 * MiB, expandable=True)
+    expandable = CachingAllocator(150 * MiB, AllocatorConfig(expandable_segments=True))
     pinned_hole(expandable)  # the hole's three 20 MiB pages are unmapped, and the segment grows by 70 MiB
     assert expandable.reserved == 100 * MiB
+
+
+def test_expandable_segments_split_a_large_block_when_512_bytes_remain():
+    """CUDACachingAllocator.cpp `should_split`: with expandable segments active, a large-pool block is split as a
+    small-pool one is (remaining >= kMinBlockSize), not only when more than 1 MiB (kSmallSize) remains."""
+    fixed = CachingAllocator(UNLIMITED)
+    assert fixed.malloc(19 * MiB + 512 * 1024).size == 20 * MiB  # a 20 MiB segment; 0.5 MiB is not split off
+    expandable = CachingAllocator(UNLIMITED, AllocatorConfig(expandable_segments=True))
+    block = expandable.malloc(19 * MiB + 512 * 1024)  # one 20 MiB page; the 0.5 MiB rest is a free block of its own
+    assert block.size == 19 * MiB + 512 * 1024
+    assert [(b.size, b.live) for b in block.segment.blocks] == [(block.size, True), (512 * 1024, False)]
+
+
+def test_max_split_size_keeps_requests_under_it_off_oversize_blocks_and_never_splits_those_at_or_above_it():
+    """CUDACachingAllocator.cpp `get_free_block` (a request under max_split_size takes no block at or above it; an
+    oversize request takes a block less than max_non_split_rounding larger) and `should_split` (a request at or above
+    max_split_size is not split)."""
+    config = parse_allocator_conf('max_split_size_mb:40')
+    a = CachingAllocator(UNLIMITED, config)
+    a.free(a.malloc(60 * MiB))
+    a.malloc(30 * MiB)  # the free 60 MiB block is oversize: a segment of its own
+    assert sorted(s.size for s in a.segments) == [30 * MiB, 60 * MiB]
+    assert a.malloc(45 * MiB).size == 60 * MiB  # oversize, within 20 MiB (max_non_split_rounding): taken whole
+    b = CachingAllocator(UNLIMITED, config)
+    b.free(b.malloc(80 * MiB))
+    b.malloc(45 * MiB)  # 80 >= 45 + 20: the cached block is too large to round up to
+    assert sorted(s.size for s in b.segments) == [46 * MiB, 80 * MiB]
+
+
+def test_max_split_size_releases_oversize_segments_before_every_free_segment():
+    """CUDACachingAllocator.cpp `release_available_cached_blocks`: under max_split_size, when a new segment does not
+    fit, the smallest free oversize segment that holds the request is released first, and the other free segments
+    stay cached (`release_cached_blocks` comes after)."""
+    a = CachingAllocator(100 * MiB, parse_allocator_conf('max_split_size_mb:40'))
+    kept, oversize = a.malloc(20 * MiB), a.malloc(60 * MiB)
+    a.free(kept)
+    a.free(oversize)
+    a.malloc(30 * MiB)  # 80 + 30 > 100: the 60 MiB oversize segment goes, the free 20 MiB one stays
+    assert sorted(s.size for s in a.segments) == [20 * MiB, 30 * MiB]
+
+
+def test_roundup_power2_divisions_round_requests_up_to_a_division_of_their_power_of_two():
+    """CUDACachingAllocator.cpp `round_size` / `roundup_power2_next_division` and AllocatorConfig.cpp
+    `parseRoundUpPower2Divisions` (one count for all sizes, or per power of two in MiB with '>' for the rest)."""
+    size = 1200 * 1024  # between 1 MiB and 2 MiB
+    assert DEFAULT.round_size(size) == 1200 * 1024  # a multiple of 512 already
+    assert parse_allocator_conf('roundup_power2_divisions:4').round_size(size) == 1280 * 1024  # 1, 1.25, 1.5, 1.75 MiB
+    per_size = parse_allocator_conf('roundup_power2_divisions:[256:1,512:2,>:4]')
+    assert per_size.round_size(300 * MiB + 1) == 300 * MiB + 512  # 256-512 MiB: 1 division, 512 B rounding
+    assert per_size.round_size(600 * MiB + 1) == 768 * MiB  # 512 MiB - 1 GiB: 2 divisions
+    assert per_size.round_size(1100 * MiB) == 1280 * MiB  # above: 4 divisions
+
+
+def _aged_segments(allocator):
+    """Two free 40 MiB segments: `old` freed before five searches of the large pool (which a free 50 MiB segment
+    serves), `young` after them."""
+    old, young = allocator.malloc(40 * MiB), allocator.malloc(40 * MiB)
+    allocator.free(old)
+    for _ in range(5):
+        allocator.free(allocator.malloc(50 * MiB))
+    allocator.free(young)
+    return old.segment, young.segment
+
+
+def test_garbage_collection_releases_the_oldest_free_segments_under_a_memory_fraction():
+    """CUDACachingAllocator.cpp `garbage_collect_cached_blocks`, called from `malloc` when no cached block fits and
+    `allowed_memory_maximum` (a memory fraction) is set: above the threshold's share of the cap, the wholly free large
+    segments at least as old as the average (free-block searches since they were freed) are released."""
+    config = parse_allocator_conf('garbage_collection_threshold:0.4')
+    capped = CachingAllocator(300 * MiB, config, capped=True)
+    old, young = _aged_segments(capped)
+    capped.malloc(60 * MiB)  # 130 MiB reserved > 120: the old segment goes (age 6 of 8 / 3), which is enough
+    assert old not in capped.segments and young in capped.segments and capped.reserved == 150 * MiB
+    uncapped = CachingAllocator(300 * MiB, config)  # no memory fraction: no garbage collection
+    _aged_segments(uncapped)
+    uncapped.malloc(60 * MiB)
+    assert uncapped.reserved == 190 * MiB

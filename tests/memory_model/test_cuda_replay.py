@@ -69,3 +69,39 @@ def test_the_largest_batch_is_the_largest_that_runs():
     assert largest_batch(scaled.at, capacity, guess=400, config=PLAIN) == found  # from above as from below
     assert largest_batch(scaled.at, capacity, guess=4, config=PLAIN, limit=20) == 20
     assert largest_batch(scaled.at, 1 << 20, guess=4, config=PLAIN) == 0  # the weights alone do not fit
+
+
+def conv_log(workspace: int, resident: int = 0) -> dict:
+    """A step of one cuDNN convolution asking for `workspace` bytes, after `resident` bytes of weights."""
+    names = ['convolution.default', 'forward', 'weights']
+    return dict(names=names, residents=[[resident, 2, 0, 1]] if resident else [], events=[['o', 0, 1, workspace]])
+
+
+def workspace_allocs(allocator) -> list:
+    return [e['size'] for e in allocator.trace if e['action'] == 'alloc' and e['tag'][0] == 'workspace']
+
+
+def test_a_cudnn_search_takes_the_devices_free_memory_and_may_open_a_segment():
+    """Conv_v8.cpp `get_available_workspace`: `cacheInfo` is called with 0, so it starts from cudaMemGetInfo's free
+    memory (CUDACachingAllocator.cpp `cacheInfo`); with nothing cached, the workspace opens a segment of its own."""
+    searched = replay(conv_log(50 << 20), 100 << 20, ReplayConfig(iterations=1), record=True)
+    assert workspace_allocs(searched)[0] == 50 << 20 and searched.peak_reserved == 50 << 20
+    heuristic = replay(conv_log(50 << 20), 100 << 20, ReplayConfig(iterations=1, cudnn_benchmark=False), record=True)
+    assert workspace_allocs(heuristic) == [50 << 20]
+
+
+def test_a_cudnn_search_halves_its_workspace_on_each_out_of_memory():
+    """Conv_v8.cpp `generate_and_filter_plans`: the largest workspace that fits `get_available_workspace` is allocated,
+    halved on each OutOfMemoryError; here 71 MiB are free but a 71 MiB block takes a 72 MiB segment (kRoundLarge)."""
+    allocator = replay(conv_log(100 << 20, resident=30 << 20), 101 << 20, ReplayConfig(iterations=1), record=True)
+    sizes = workspace_allocs(allocator)  # the search's, then the chosen plan's run: 35.5 MiB (a 36 MiB block)
+    assert len(sizes) == 2 and all(71 << 19 <= size <= 36 << 20 for size in sizes)
+    assert [e['action'] for e in allocator.trace].count('oom') == 1
+
+
+def test_a_small_cudnn_workspace_is_allocated_and_one_that_does_not_fit_is_done_without():
+    """Conv_v8.cpp `run_conv_plan` allocates any workspace the plan asks for (no lower bound; 0 takes nothing), and
+    `try_configs` goes to the next heuristic plan on OutOfMemoryError instead of failing the step."""
+    small = replay(conv_log(256 << 10), UNLIMITED, ReplayConfig(iterations=1, cudnn_benchmark=False), record=True)
+    assert workspace_allocs(small) == [256 << 10]
+    assert fits(conv_log(500 << 20, resident=30 << 20), 64 << 20, ReplayConfig(cudnn_benchmark=False))

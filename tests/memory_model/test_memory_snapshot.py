@@ -13,6 +13,7 @@ import warnings
 from conftest import run_script
 from memory_viz_port import allocator_state, annotate, process_alloc_data
 from timm_ext.memory_model.allocator import CachingAllocator
+from timm_ext.memory_model.allocator_config import parse_allocator_conf
 from timm_ext.memory_model.replay import ReplayConfig
 from timm_ext.memory_model.snapshot import predicted_snapshot, write_snapshot
 
@@ -88,7 +89,8 @@ def test_a_segment_event_has_the_frames_of_the_allocation_it_was_made_for():
 # expandable segments, 20 MiB pages, 100 MiB of capacity: four pages, the first and third freed, then 30 MiB that fit
 # only once those two are unmapped, then 25 MiB from inside the last mapped page into a new one
 PAGES = step(*[('a', 20 * MiB)] * 4, ('f', 0), ('f', 2), ('a', 30 * MiB), ('a', 25 * MiB))
-EXPANDABLE = ReplayConfig(iterations=1, cudnn_benchmark=False, expandable=True)
+EXPANDABLE = ReplayConfig(iterations=1, cudnn_benchmark=False,
+                          allocator=parse_allocator_conf('expandable_segments:True', 'PYTORCH_CUDA_ALLOC_CONF'))
 
 
 def test_expandable_segments_map_and_unmap_one_contiguous_range_per_event():

@@ -1,68 +1,35 @@
 """PyTorch's CUDA caching allocator, replayed in plain Python: where each block lands, and when the card runs out.
 
-A card runs out of memory when the allocator cannot place a block, not when live bytes pass its size. The rules and
-constants are PyTorch 2.14's (c10/cuda/CUDACachingAllocator.cpp, c10/core/AllocatorConfig.h), with the default
-configuration (no `max_split_size_mb`, no garbage collection threshold, one stream):
+A card runs out of memory when the allocator cannot place a block, not when live bytes pass its size. The rules are
+torch 2.14's (c10/cuda/CUDACachingAllocator.cpp, `DeviceCachingAllocator`), on one stream, with the options of
+`timm_ext.memory_model.allocator_config.AllocatorConfig` (its `round_size` and `segment_size`):
 
-* a request is rounded up to 512 B (`kMinBlockSize`);
-* up to 1 MiB (`kSmallSize`) it comes from the small pool, whose segments are 2 MiB (`kSmallBuffer`); under 10 MiB
-  (`kMinLargeAlloc`) a new segment is 20 MiB (`kLargeBuffer`); larger segments are the request rounded up to 2 MiB
-  (`kRoundLarge`);
-* a request takes the smallest free block of its pool that holds it (best fit, lowest address first on ties); the
-  block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large pool);
-* a freed block merges with its free neighbours of the same segment;
-* when no free block fits and a new segment would pass the card, every segment that is wholly free is released
-  (`release_cached_blocks`) and the segment tried once more; then the request fails (`OutOfMemory`).
+* a request takes the smallest free block of its pool that holds it (`get_free_block`: best fit, lowest address on
+  ties); a request under `max_split_size` never takes a block at or above it, and a larger request takes a block only
+  when less than `max_non_split_rounding` larger;
+* the block is split when the rest is at least 512 B in the small pool or with expandable segments, else when the
+  request is under `max_split_size` and more than 1 MiB remains (`should_split`);
+* a freed block merges with its free neighbours of the same segment (`free_block`);
+* when no free block fits: under a memory-fraction cap with `garbage_collection_threshold`, old wholly free large
+  segments are released first (`garbage_collect_cached_blocks`); then a new segment is tried, then oversize free
+  segments are released (`release_available_cached_blocks`), then every wholly free segment (`release_cached_blocks`)
+  and the segment tried once more; then the request fails (`OutOfMemory`).
 
-With `expandable_segments` (`PYTORCH_ALLOC_CONF` or `PYTORCH_CUDA_ALLOC_CONF`) each pool is one segment that maps
-pages as it grows (2 MiB small, 20 MiB large), and on failure the pages no live block touches are unmapped.
+With expandable segments each pool is one segment that maps pages as it grows (2 MiB small, `large_segment_size`
+large), and on failure the pages no live block touches are unmapped.
 """
 import bisect
-import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
-__all__ = ['OutOfMemory', 'Block', 'Segment', 'CachingAllocator', 'expandable_segments_asked', 'page_runs',
-           'round_size', 'segment_size', 'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC',
-           'ROUND_LARGE']
+from .allocator_config import MIN_BLOCK, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
+from .cache_release import garbage_collect, release_oversize
 
-MiB = 1 << 20
-MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
-SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request of the small pool
-SMALL_BUFFER = 2 * MiB  # kSmallBuffer: a small pool segment (and an expandable small pool page)
-LARGE_BUFFER = 20 * MiB  # kLargeBuffer: the segment of a request under kMinLargeAlloc (and a large pool page)
-MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
-ROUND_LARGE = 2 * MiB  # kRoundLarge: larger segments are rounded up to it
+__all__ = ['OutOfMemory', 'Block', 'Segment', 'CachingAllocator', 'page_runs', 'ROUND_LARGE']
 
 
 class OutOfMemory(Exception):
     """The allocator could not place a block, even after releasing its wholly free segments."""
-
-
-def round_size(n: int) -> int:
-    """The bytes a request of `n` takes from a block (`round_size`, without power-of-two divisions)."""
-    return MIN_BLOCK * max(1, -(-n // MIN_BLOCK))
-
-
-def segment_size(size: int) -> int:
-    """The bytes of the segment cudaMalloc'ed for a rounded request that no cached block holds
-    (`get_allocation_size`)."""
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * -(-size // ROUND_LARGE)
-
-
-def expandable_segments_asked(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the allocator configuration in the environment turns expandable segments on (PYTORCH_ALLOC_CONF wins
-    over the older PYTORCH_CUDA_ALLOC_CONF)."""
-    conf = environ.get('PYTORCH_ALLOC_CONF', environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))
-    for option in conf.split(','):
-        key, _, value = option.partition(':')
-        if key.strip() == 'expandable_segments':
-            return value.strip().lower() == 'true'
-    return False
 
 
 def page_runs(pages: Iterable[int]) -> List[Tuple[int, int]]:
@@ -95,6 +62,7 @@ class Block:
     requested: int = 0
     live: bool = False
     tag: object = None  # the caller's label (the snapshot's frames)
+    gc_base: int = 0  # its pool's count of free-block searches when it was freed (its age is the count since)
 
 
 class CachingAllocator:
@@ -102,13 +70,19 @@ class CachingAllocator:
 
     Args:
         capacity: Bytes cudaMalloc can still hand out when the run starts.
-        expandable: Expandable segments (see the module doc).
+        config: The allocator options (`AllocatorConfig`; its expandable segments: see the module doc).
         record: Keep a trace of alloc / free / segment events (the snapshot's `device_traces`).
+        capped: A memory fraction (`set_per_process_memory_fraction`) caps the allocator at `capacity`: only then does
+            `garbage_collection_threshold` act (`allowed_memory_maximum`).
     """
 
-    def __init__(self, capacity: int, expandable: bool = False, record: bool = False):
+    def __init__(self, capacity: int, config: AllocatorConfig = AllocatorConfig(), record: bool = False,
+                 capped: bool = False):
         self.capacity = capacity
-        self.expandable = expandable
+        self.config = config
+        self.expandable = config.expandable_segments
+        self._collects = capped and config.garbage_collection_threshold > 0
+        self.searches = {True: 0, False: 0}  # small? -> the pool's free-block searches (`get_free_blocks_call_count`)
         self.segments: List[Segment] = []
         self.pools: Dict[bool, List[Tuple[int, int, Block]]] = {True: [], False: []}  # small? -> sorted (size, addr)
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
@@ -117,6 +91,7 @@ class CachingAllocator:
 
     # -- the pools -------------------------------------------------------------------------------------------------
     def _insert_free(self, block: Block) -> None:
+        block.gc_base = self.searches[block.segment.small]
         bisect.insort(self.pools[block.segment.small], (block.size, block.address, block))
 
     def _remove_free(self, block: Block) -> None:
@@ -124,14 +99,26 @@ class CachingAllocator:
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
 
     def _best_fit(self, size: int, small: bool) -> Optional[Block]:
+        """`get_free_block`: the smallest free block that holds `size`, unless max_split_size rules it out."""
+        self.searches[small] += self._collects
         pool = self.pools[small]
         i = bisect.bisect_left(pool, (size, -1))
-        return pool[i][2] if i < len(pool) else None
+        if i == len(pool):
+            return None
+        block, limit = pool[i][2], self.config.max_split_size
+        if size < limit <= block.size or (size >= limit and block.size >= size + self.config.max_non_split_rounding):
+            return None
+        return block
 
-    def largest_free_block(self) -> int:
-        """The largest cached free block (`cacheInfo`'s max block size: the large pool's)."""
-        pool = self.pools[False]
-        return pool[-1][0] if pool else 0
+    def cache_info(self) -> int:
+        """`cacheInfo` from 0: the device's free memory (the capacity less what is reserved), or the largest cached
+        free block of either pool where that is larger."""
+        largest = max((pool[-1][0] for pool in self.pools.values() if pool), default=0)
+        return max(self.capacity - self.reserved, largest)
+
+    def page_size(self, small: bool) -> int:
+        """An expandable segment's page in a pool: 2 MiB small, `large_segment_size` large."""
+        return SMALL_BUFFER if small else self.config.large_segment_size
 
     def _event(self, action: str, address: int, size: int, tag: object = None) -> None:
         if self.trace is not None:
@@ -139,7 +126,7 @@ class CachingAllocator:
 
     def _page_events(self, action: str, segment: Segment, pages: Iterable[int]) -> None:
         """One event per run of contiguous pages: `map_block` and `unmap_block` each record the one range they map."""
-        page = SMALL_BUFFER if segment.small else LARGE_BUFFER
+        page = self.page_size(segment.small)
         for first, end in page_runs(pages):
             self._event(action, segment.address + first * page, (end - first) * page)
 
@@ -148,7 +135,7 @@ class CachingAllocator:
         """cudaMalloc a segment for a rounded request (None when the card has no room)."""
         if self.expandable:
             return self._grow(size, small)
-        nbytes = segment_size(size)
+        nbytes = self.config.segment_size(size)
         if self.reserved + nbytes > self.capacity:
             return None
         segment = Segment(self._next_address, nbytes, small)
@@ -170,12 +157,16 @@ class CachingAllocator:
             return self._unmap_free_pages()
         released = False
         for segment in [s for s in self.segments if len(s.blocks) == 1 and not s.blocks[0].live]:
-            self._remove_free(segment.blocks[0])
-            self.segments.remove(segment)
-            self.reserved -= segment.size
-            self._event('segment_free', segment.address, segment.size)
+            self.release_segment(segment)
             released = True
         return released
+
+    def release_segment(self, segment: Segment) -> None:
+        """cudaFree a wholly free segment (`release_block`)."""
+        self._remove_free(segment.blocks[0])
+        self.segments.remove(segment)
+        self.reserved -= segment.size
+        self._event('segment_free', segment.address, segment.size)
 
     def empty_cache(self) -> None:
         """`torch.cuda.empty_cache()` (what cuDNN's benchmark does after its search)."""
@@ -199,7 +190,7 @@ class CachingAllocator:
         if not self._map(segment, start, size):
             return None
         end = start + size
-        page = SMALL_BUFFER if small else LARGE_BUFFER
+        page = self.page_size(small)
         new_end = segment.address + -(-(end - segment.address) // page) * page
         if tail is None:
             tail = Block(segment, start, 0)
@@ -212,7 +203,7 @@ class CachingAllocator:
 
     def _map(self, segment: Segment, start: int, size: int) -> bool:
         """Map the pages [start, start + size) touches; False (nothing mapped) when the card has no room."""
-        page = SMALL_BUFFER if segment.small else LARGE_BUFFER
+        page = self.page_size(segment.small)
         first, last = (start - segment.address) // page, (start + size - 1 - segment.address) // page
         missing = [p for p in range(first, last + 1) if p not in segment.mapped]
         if self.reserved + page * len(missing) > self.capacity:
@@ -225,7 +216,7 @@ class CachingAllocator:
     def _unmap_free_pages(self) -> bool:
         released = False
         for segment in self.segments:
-            page = SMALL_BUFFER if segment.small else LARGE_BUFFER
+            page = self.page_size(segment.small)
             used = set()
             for block in segment.blocks:
                 if block.live:
@@ -240,15 +231,19 @@ class CachingAllocator:
         return released
 
     # -- malloc and free -------------------------------------------------------------------------------------------
-    def _place(self, size: int, small: bool) -> Optional[Block]:
-        """A free block for a rounded request, from the pool or a new segment (None when neither has room)."""
+    def _take_free(self, size: int, small: bool) -> Optional[Block]:
+        """A cached free block for a rounded request (expandable: with its pages mapped), or None."""
         block = self._best_fit(size, small)
         if block is not None:
             self._remove_free(block)
             if not self.expandable or self._map(block.segment, block.address, size):
                 return block
             self._insert_free(block)
-        return self._new_segment(size, small)
+        return None
+
+    def _place(self, size: int, small: bool) -> Optional[Block]:
+        """A free block for a rounded request, from the pool or a new segment (None when neither has room)."""
+        return self._take_free(size, small) or self._new_segment(size, small)
 
     def malloc(self, nbytes: int, tag: object = None) -> Block:
         """Place a request of `nbytes`.
@@ -256,16 +251,22 @@ class CachingAllocator:
         Raises:
             OutOfMemory: Not even after releasing the cache.
         """
-        size = round_size(nbytes)
+        size = self.config.round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._place(size, small)
+        block = self._take_free(size, small)
+        if block is None and self._collects:
+            garbage_collect(self)
+        if block is None:
+            block = self._new_segment(size, small)
+        if block is None and release_oversize(self, size, small):
+            block = self._new_segment(size, small)
         if block is None and self._release_cached():
             block = self._place(size, small)
         if block is None:
-            self._event('oom', 0, size, tag)
+            self._event('oom', self.capacity - self.reserved, size, tag)  # torch records the free memory as its addr
             raise OutOfMemory(f'cannot place {size} B with {self.reserved} B reserved of {self.capacity} B')
         rest = block.size - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+        if rest >= MIN_BLOCK if small or self.expandable else size < self.config.max_split_size and rest > SMALL_SIZE:
             remainder = Block(block.segment, block.address + size, rest)
             blocks = block.segment.blocks
             blocks.insert(blocks.index(block) + 1, remainder)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import replay as replays
-from .allocator import Block, CachingAllocator, expandable_segments_asked
+from .allocator import Block, CachingAllocator
+from .allocator_config import allocator_config
 from .events import ScaledLog
 from .live_bytes import CATEGORIES
 
@@ -26,12 +27,12 @@ class CudaReplay:
     Attributes:
         log: `ScaledLog.to_json()` of the step; where the logs of two batch sizes did not line up event by event,
             {'traced': {batch: step log}}: a batch not traced is traced on its own (`retrace`).
-        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); expandable segments as the
-            environment asks when not given.
+        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); the allocator options as the
+            environment sets them when not given (`timm_ext.memory_model.allocator_config.allocator_config`).
     """
     log: dict
     config: replays.ReplayConfig = field(
-        default_factory=lambda: replays.ReplayConfig(expandable=expandable_segments_asked()))
+        default_factory=lambda: replays.ReplayConfig(allocator=allocator_config()))
     retrace: Optional[Callable[[int], dict]] = field(default=None, repr=False)  # the step log of a batch, traced
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)

@@ -3,7 +3,7 @@
 The answer is the least device memory at which `iterations` steps run without an out-of-memory error, with the
 allocator's failure path (`timm_ext.memory_model.allocator`), found by bisection over segment-sized capacities. It is
 not the unlimited run's reserved peak: when the card runs short, the allocator releases its wholly free segments and
-tries again, and cuDNN's workspaces shrink to what is left (`timm_ext.memory_model.kernels`).
+tries again, and cuDNN's workspaces shrink to what is left (`timm_ext.memory_model.kernels`, `_cudnn_workspace`).
 
 A step log (`timm_ext.memory_model.events.step_log`) is replayed as the training loop runs it: what was live before the
 step is allocated first (weights, optimizer state, the resident batch), then the step's events `iterations` times,
@@ -13,13 +13,13 @@ accumulation (`accumulating`) the gradients stay resident and each new one is a 
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Type
 
-from .allocator import ROUND_LARGE, CachingAllocator, OutOfMemory
+from .allocator import ROUND_LARGE, Block, CachingAllocator, OutOfMemory
+from .allocator_config import AllocatorConfig
 from .kernels import cuda_allocations
 
 __all__ = ['ReplayConfig', 'replay', 'fits', 'least_memory', 'largest_batch']
 
 UNLIMITED = 1 << 62
-MIN_WORKSPACE = 1 << 20  # below it an adaptive workspace gives up: cuDNN takes a plan that needs none
 
 
 @dataclass(frozen=True)
@@ -30,25 +30,68 @@ class ReplayConfig:
         iterations: Steps replayed (the first differs: no step before it, cuDNN's search; the rest repeat).
         cudnn_benchmark: cuDNN searches its plans on each new convolution shape, then empties the cache (train.py and
             validate.py set `torch.backends.cudnn.benchmark`).
-        expandable: `expandable_segments` on.
+        allocator: The allocator options the run starts with (`timm_ext.memory_model.allocator_config`).
         accumulating: Gradients resident from the start (gradient accumulation; or zero_grad() that keeps them).
         compute_capability: The card's, when known.
     """
     iterations: int = 3
     cudnn_benchmark: bool = True
-    expandable: bool = False
+    allocator: AllocatorConfig = AllocatorConfig()
     accumulating: bool = False
     compute_capability: Optional[Tuple[int, int]] = None
 
 
-def _adaptive(allocator: CachingAllocator, nbytes: int, tag: tuple):
-    """A cuDNN workspace: the plans kept are those whose workspace fits the largest cached free block (Conv_v8.cpp,
-    `cacheInfo`), so it takes at most that block and never a new segment (None: no workspace)."""
-    nbytes = min(nbytes, allocator.largest_free_block())
-    return allocator.malloc(nbytes, tag) if nbytes >= MIN_WORKSPACE else None
+def _try_malloc(allocator: CachingAllocator, nbytes: int, tag: tuple) -> Optional[Block]:
+    """A workspace of `nbytes`, or None where it is 0 (`allocate(0)` takes nothing) or does not fit."""
+    try:
+        return allocator.malloc(nbytes, tag) if nbytes else None
+    except OutOfMemory:
+        return None
 
 
-def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, searched: set,
+def _search(allocator: CachingAllocator, nbytes: int, tag: tuple) -> int:
+    """cuDNN's benchmark search (Conv_v8.cpp `generate_and_filter_plans`): the plans kept are those whose workspace
+    fits `get_available_workspace`, the allocator's `cacheInfo` from 0 (the device's free memory, or the largest
+    cached free block where larger), so the search may open a segment; the largest kept workspace is allocated, halved
+    on each out-of-memory down to 0, and freed when the search ends. Returns the workspace the chosen plan runs with.
+
+    Assumption (no source: the kernel model gives one workspace per convolution, the largest plan's): plans exist at
+    every workspace below it, and the fastest kept plan uses the largest kept workspace.
+    """
+    size = min(nbytes, allocator.cache_info())
+    while size:
+        block = _try_malloc(allocator, size, tag)
+        if block is not None:
+            allocator.free(block)
+            return size
+        size //= 2
+    return 0
+
+
+def _cudnn_workspace(allocator: CachingAllocator, nbytes: int, tag: tuple, plans: dict,
+                     config: ReplayConfig) -> Optional[Block]:
+    """The workspace a cuDNN convolution runs with (Conv_v8.cpp `run_single_conv`), None for none.
+
+    A plan found before runs with its workspace; where that runs out of memory, the plan is found again. With
+    `cudnn.benchmark` the plans are searched (`_search`, then the cache is emptied); without it the heuristics' plans
+    are tried in order, the next on each out-of-memory (`try_configs`). Assumption (no source: the heuristics' order
+    is cuDNN's): the first asks for the kernel model's workspace, and the next needs none.
+    """
+    key = tag[1]
+    if key in plans:
+        block = _try_malloc(allocator, plans[key], tag)
+        if block is not None or not plans[key]:
+            return block
+    if config.cudnn_benchmark:
+        plans[key] = _search(allocator, nbytes, tag)
+        allocator.empty_cache()
+        return _try_malloc(allocator, plans[key], tag)
+    block = _try_malloc(allocator, nbytes, tag)
+    plans[key] = nbytes if block is not None else 0
+    return block
+
+
+def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, plans: dict,
             config: ReplayConfig) -> None:
     signature, where = names[event[1]], names[event[2]]
     transient = []
@@ -61,14 +104,8 @@ def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, s
         elif life == 'op':
             transient.append(allocator.malloc(nbytes, tag))
         else:
-            block = _adaptive(allocator, nbytes, tag)
+            block = _cudnn_workspace(allocator, nbytes, tag, plans, config)
             transient += [block] if block is not None else []
-            if config.cudnn_benchmark and signature not in searched:
-                searched.add(signature)
-                for block in transient:
-                    allocator.free(block)
-                transient = []
-                allocator.empty_cache()
     for block in transient:
         allocator.free(block)
 
@@ -82,12 +119,12 @@ def replay(log: dict, capacity: int, config: ReplayConfig = ReplayConfig(), reco
         OutOfMemory: Where the card ran out.
     """
     names = log['names']
-    allocator = allocator_type(capacity, config.expandable, record)
+    allocator = allocator_type(capacity, config.allocator, record)
     for nbytes, category, op, where in log['residents']:
         allocator.malloc(nbytes, (names[category], names[op], names[where]))
     gradients = names.index('gradients') if 'gradients' in names else -1
     accumulated = {}  # accumulating: the resident gradient of each signature
-    kept, searched, previous = {}, set(), {}
+    kept, plans, previous = {}, {}, {}  # cuBLAS workspaces, cuDNN plans' workspaces by convolution
     for _ in range(config.iterations):
         live, ranks, allocations = {}, {}, 0
         for event in log['events']:
@@ -113,7 +150,7 @@ def replay(log: dict, capacity: int, config: ReplayConfig = ReplayConfig(), reco
                 if block is not None:
                     allocator.free(block)
             else:
-                _run_op(allocator, event, names, kept, searched, config)
+                _run_op(allocator, event, names, kept, plans, config)
         previous = {signature: block for block, signature in live.values()}
     return allocator
 

@@ -20,13 +20,13 @@ memory the allocator may use.
 import pickle
 from typing import Dict, List, Optional, Tuple
 
-from .allocator import LARGE_BUFFER, SMALL_BUFFER, CachingAllocator, Segment, page_runs
+from .allocator import CachingAllocator, Segment, page_runs
+from .allocator_config import DIVISION_INTERVALS, NO_LIMIT
 from .replay import ReplayConfig, replay
 
 __all__ = ['predicted_snapshot', 'write_snapshot', 'write_plot']
 
 PICKLE_PROTOCOL = 4  # the memory_viz page's unpickler (MemoryViz.js `unpickle`) reads protocols 2 to 4 only
-ROUNDUP_POWER2_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals (c10/core/AllocatorConfig.cpp): the divisions' keys
 
 
 def _frames(tag) -> List[dict]:
@@ -37,21 +37,20 @@ def _frames(tag) -> List[dict]:
     return [dict(filename=where, line=0, name=op), dict(filename='category', line=0, name=category)]
 
 
-def _ranges(segment: Segment, expandable: bool) -> List[Tuple[int, int]]:
+def _ranges(segment: Segment, page: Optional[int]) -> List[Tuple[int, int]]:
     """The address ranges `snapshot()` reports as segments: the whole segment, or with expandable segments each
     contiguous mapped range ("one segment for each contiguous mapped range of memory")."""
-    if not expandable:
+    if page is None:
         return [(segment.address, segment.address + segment.size)]
-    page = SMALL_BUFFER if segment.small else LARGE_BUFFER
     return [(segment.address + first * page, segment.address + end * page) for first, end in page_runs(segment.mapped)]
 
 
-def _segments(segment: Segment, expandable: bool, frames_at: Dict[int, list]) -> List[dict]:
+def _segments(segment: Segment, page: Optional[int], frames_at: Dict[int, list]) -> List[dict]:
     """`segment` as `_snapshot()` lists it (torch/csrc/cuda/memory_snapshot.cpp, `segmentInfoToDict`): each block's
     address is the segment's plus the sizes before it. A free block has no frames (`free_block` drops its context) and
     requested size 0 (torch keeps the last one, which no reader of a snapshot uses)."""
     dicts = []
-    for start, end in _ranges(segment, expandable):
+    for start, end in _ranges(segment, page):
         blocks = []
         for b in segment.blocks:  # a free block of an expandable segment may span unmapped pages: only its mapped part
             low, high = max(b.address, start), min(b.address + b.size, end)
@@ -63,14 +62,16 @@ def _segments(segment: Segment, expandable: bool, frames_at: Dict[int, list]) ->
         dicts.append(dict(device=0, address=start, total_size=end - start, allocated_size=allocated,
                           active_size=allocated, requested_size=sum(b['requested_size'] for b in blocks), stream=0,
                           segment_type='small' if segment.small else 'large', segment_pool_id=(0, 0),
-                          is_expandable=expandable, frames=frames_at.get(start, []), blocks=blocks))
+                          is_expandable=page is not None, frames=frames_at.get(start, []), blocks=blocks))
     return dicts
 
 
 def _trace(events: List[dict]) -> List[dict]:
     """The allocator's events as `_snapshot()`'s trace entries; a segment_alloc or segment_map gets the frames of the
-    allocation it was made for (the alloc that follows it), a segment_free those of its segment_alloc."""
-    trace = [dict(action=e['action'], addr=e['addr'], size=e['size'], stream=0, time_us=i, frames=_frames(e['tag']))
+    allocation it was made for (the alloc that follows it), a segment_free those of its segment_alloc; an oom carries
+    the device's free memory where others carry an address (torch/csrc/cuda/memory_snapshot.cpp, `device_free`)."""
+    trace = [dict(action=e['action'], size=e['size'], stream=0, time_us=i, frames=_frames(e['tag']),
+                  **({'device_free': e['addr']} if e['action'] == 'oom' else {'addr': e['addr']}))
              for i, e in enumerate(events)]
     following: List[dict] = []
     for entry in reversed(trace):
@@ -88,13 +89,16 @@ def _trace(events: List[dict]) -> List[dict]:
 
 
 def _allocator_settings(config: ReplayConfig) -> dict:
-    """`_snapshot()`'s allocator_settings for the configuration the replay models (the defaults of
-    c10/cuda/CUDAAllocatorConfig.cpp but for expandable segments; max_split_size is SIZE_MAX written as an int64)."""
-    return {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True' if config.expandable else '',
-            'max_split_size': -1, 'garbage_collection_threshold': 0.0, 'expandable_segments': config.expandable,
+    """`_snapshot()`'s allocator_settings for the options the replay ran with (c10/cuda/CUDAAllocatorConfig.cpp's
+    names; an unlimited max_split_size is SIZE_MAX written as an int64, -1)."""
+    options = config.allocator
+    return {'PYTORCH_CUDA_ALLOC_CONF': options.text,
+            'max_split_size': -1 if options.max_split_size == NO_LIMIT else options.max_split_size,
+            'garbage_collection_threshold': options.garbage_collection_threshold,
+            'expandable_segments': options.expandable_segments,
             'pinned_num_register_threads': 1, 'release_lock_on_cudamalloc': False,
             'pinned_use_cuda_host_register': False, 'graph_capture_record_stream_reuse': False,
-            'roundup_power2_divisions': {str(1 << i): 0 for i in range(ROUNDUP_POWER2_INTERVALS)}}
+            'roundup_power2_divisions': {str(1 << i): n for i, n in enumerate(options.roundup_power2_divisions)}}
 
 
 class _Recorder(CachingAllocator):
@@ -135,7 +139,9 @@ def predicted_snapshot(log: dict, capacity: int, config: ReplayConfig = ReplayCo
     allocator = replay(log, capacity, config, record=True, allocator_type=_Recorder)
     trace = _trace(allocator.trace)
     frames_at = {e['addr']: e['frames'] for e in trace if e['action'] in ('segment_alloc', 'segment_map')}
-    segments = sorted((d for s in allocator.segments for d in _segments(s, config.expandable, frames_at)),
+    expandable = config.allocator.expandable_segments
+    segments = sorted((d for s in allocator.segments
+                       for d in _segments(s, allocator.page_size(s.small) if expandable else None, frames_at)),
                       key=lambda d: d['address'])
     peak = allocator.at_peak
     return dict(segments=segments, device_traces=[trace], allocator_settings=_allocator_settings(config),

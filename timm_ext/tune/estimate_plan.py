@@ -17,6 +17,7 @@ import torch
 
 from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
+from ..memory_model.allocator_config import allocator_config
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
@@ -61,13 +62,16 @@ def check_estimate_inputs(args: argparse.Namespace) -> None:
     itself may be on the machine the plan is for, so neither is looked for.
 
     Raises:
-        UsageError: The device type has no memory model.
+        UsageError: The device type has no memory model; the allocator setting (PYTORCH_CUDA_ALLOC_CONF...) is
+            refused by torch or not modelled (`timm_ext.memory_model.allocator_config.allocator_config`).
         SetupError: The --resume file is missing, a folder, unreadable or another model's.
     """
     device_type = args.device.split(':', 1)[0]
     if device_type not in MODELLED_DEVICE_TYPES:
         raise UsageError(f'--device {args.device}: --estimate models {" and ".join(MODELLED_DEVICE_TYPES)} memory '
                          f'only; pass --device cuda or cpu, or drop --estimate to probe on the {device_type} device')
+    if device_type == 'cuda':  # the allocator options the run starts with: torch's reading, or one line
+        allocator_config()
     problem = resume_problem(args)
     if problem:
         raise SetupError(problem)

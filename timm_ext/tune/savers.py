@@ -11,14 +11,13 @@ and leaves the choice to the user; `--apply-saver NAME` (`apply_savers`) puts a 
 """
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 
-from ..memory_model.allocator import expandable_segments_asked
-from ..memory_model.replay import ReplayConfig
-from ..errors import TimmExtError, one_line
+from ..memory_model.allocator_config import expandable_setting
+from ..errors import TimmExtError, UsageError, one_line
 from ..memory_model.estimate import MemoryEstimate, estimate_memory
 from ..train.setup import with_values
 from .plan import RunPlan
@@ -29,6 +28,7 @@ __all__ = ['SAVER_NAMES', 'EXPANDABLE_CONF', 'PlanFor', 'Saver', 'PricedSaver', 
 SAVER_NAMES = ('amp-float16', 'amp-bfloat16', 'grad-checkpointing', 'channels-last', 'model-ema-force-cpu', 'opt-sgd',
                'expandable-segments', 'smaller-img-size')
 EXPANDABLE_CONF = 'expandable_segments:True'
+CONFLICTING = (('amp-float16', 'amp-bfloat16'),)  # savers that set the same flag to different values
 SAME = 'same'
 SMALLER_SIDE = 0.75  # the smaller input's side, of the run's, down to a multiple of `SIDE_STEP`
 SIDE_STEP = 32
@@ -102,6 +102,16 @@ def _smaller_input(args: argparse.Namespace) -> Optional[Saver]:
     return Saver('smaller-img-size', flags, values, f'changes: trains at {side} px')
 
 
+def _expandable_environment() -> Tuple[str, str]:
+    """The allocator setting with expandable segments, in the variable torch reads, the user's other options kept
+    (`expandable_setting`; only `expandable_segments:True` where the user's setting is refused, which planning
+    reports)."""
+    try:
+        return expandable_setting()
+    except UsageError:
+        return 'PYTORCH_ALLOC_CONF', EXPANDABLE_CONF
+
+
 def _all_savers(args: argparse.Namespace) -> Dict[str, Optional[Saver]]:
     """Every saver by name, as it would apply to this run (None: it has no form here)."""
     return {
@@ -114,8 +124,8 @@ def _all_savers(args: argparse.Namespace) -> Dict[str, Optional[Saver]]:
         'model-ema-force-cpu': Saver('model-ema-force-cpu', '--model-ema-force-cpu', dict(model_ema_force_cpu=True)),
         'opt-sgd': Saver('opt-sgd', '--opt sgd', dict(opt='sgd'),
                          f'changes: SGD with momentum instead of {args.opt} (retune LR and schedule)'),
-        'expandable-segments': Saver('expandable-segments', f'PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_CONF}',
-                                     environment=('PYTORCH_CUDA_ALLOC_CONF', EXPANDABLE_CONF)),
+        'expandable-segments': Saver('expandable-segments', '='.join(_expandable_environment()),
+                                     environment=_expandable_environment()),
         'smaller-img-size': _smaller_input(args),
     }
 
@@ -130,7 +140,7 @@ def candidate_savers(args: argparse.Namespace, device_type: str, base: MemoryEst
         'channels-last': not args.channels_last,
         'model-ema-force-cpu': device_type == 'cuda' and args.model_ema and not args.model_ema_force_cpu,
         'opt-sgd': base.lines['optimizer'][0] > STATE_PER_GRADIENT * base.grad_bytes,
-        'expandable-segments': base.replay is not None and not expandable_segments_asked(),
+        'expandable-segments': base.replay is not None and not base.replay.config.allocator.expandable_segments,
         'smaller-img-size': True,
     }
     savers = _all_savers(args)
@@ -142,19 +152,29 @@ SaverNames = Union[str, Sequence[str], None]  # --apply-saver's value: names, or
 
 def apply_savers(args: argparse.Namespace, names: SaverNames) -> Tuple[argparse.Namespace, List[str]]:
     """`args` with the named savers' flags on, and a line for each environment setting, which a config cannot hold
-    (it is set in this process too, for what runs here).
+    (it is set in this process too, for what runs and plans here): expandable segments are merged into the allocator
+    setting torch reads (`timm_ext.memory_model.allocator_config.expandable_setting`), the user's options kept.
 
     Raises:
         TimmExtError: A saver that has no form for this run (no smaller input than the run's).
+        UsageError: Savers that conflict; expandable segments off CUDA; an allocator setting torch refuses.
     """
+    chosen = [names] if isinstance(names, str) else list(names or ())
+    for first, second in CONFLICTING:
+        if first in chosen and second in chosen:
+            raise UsageError(f'--apply-saver {first} and --apply-saver {second} set --amp-dtype to different values; '
+                             f'keep one')
     savers, notes = _all_savers(args), []
-    for name in [names] if isinstance(names, str) else names or ():
+    for name in chosen:
         saver = savers[name]
         if saver is None:
             raise TimmExtError(f'--apply-saver {name}: the run\'s input is already the smallest it offers; drop it')
+        if saver.environment[0] and not args.device.startswith('cuda'):
+            raise UsageError(f'--apply-saver {name}: expandable segments are an option of the CUDA caching allocator, '
+                             f'which --device {args.device} does not use; drop it')
         args = with_values(args, **saver.values)
-        variable, value = saver.environment
-        if variable:
+        if saver.environment[0]:
+            variable, value = expandable_setting()
             os.environ[variable] = value
             notes.append(f'--apply-saver {name}: set {variable}={value} in train.py\'s environment (not a config '
                          f'key; set here for this process).')
@@ -176,7 +196,9 @@ def price_savers(args: argparse.Namespace, device_type: str, onednn: bool, base:
     rows = []
     for saver in candidate_savers(args, device_type, base):
         if saver.environment[0]:  # the same step on an allocator with expandable segments: no new trace
-            estimate = MemoryEstimate.from_json(base.to_json(), base.device, ReplayConfig(expandable=True))
+            config = base.replay.config
+            config = replace(config, allocator=replace(config.allocator, expandable_segments=True))
+            estimate = MemoryEstimate.from_json(base.to_json(), base.device, config)
         else:
             try:
                 estimate = estimate_memory(with_values(args, **saver.values), device_type, onednn)

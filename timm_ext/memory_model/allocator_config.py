@@ -1,0 +1,281 @@
+"""The caching allocator's options, read from the environment as torch 2.14.1 reads them, and the size rules they set.
+
+Read from torch 2.14.1 (the installed wheel's headers c10/core/AllocatorConfig.h and c10/cuda/CUDAAllocatorConfig.h,
+the option names in its libc10.so / libc10_cuda.so, and c10/core/AllocatorConfig.cpp and
+c10/cuda/CUDAAllocatorConfig.cpp as stored upstream):
+
+* the first variable set of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF is read, an empty one
+  included, and the others are ignored (`AcceleratorAllocatorConfig::instance`; checked on the wheel: with both set,
+  PYTORCH_CUDA_ALLOC_CONF is the one parsed);
+* `ConfigTokenizer` splits at ',', ':', '[' and ']' and drops white space; keys and values are case-sensitive, a flag
+  is `True` or `False` and nothing else (`toBool`), a number is read as `std::stoull` / `std::stod` read it;
+* a key neither `AcceleratorAllocatorConfig` nor `CUDAAllocatorConfig` knows is an error (`getKeys`).
+
+Options that change where device blocks land are modelled (`AllocatorConfig`); options for pinned host memory, the
+allocator's lock or CUDA graph capture leave the device blocks of an eager step as they are; the rest are refused in
+one line that names the option (`allocator_config`).
+"""
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Tuple
+
+from ..errors import UsageError
+
+__all__ = ['AllocatorConfig', 'allocator_config', 'allocator_setting', 'expandable_setting', 'parse_allocator_conf',
+           'VARIABLES', 'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
+
+MiB = 1 << 20
+MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
+SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request of the small pool
+SMALL_BUFFER = 2 * MiB  # kSmallBuffer: a small pool segment (and an expandable small pool page)
+LARGE_BUFFER = 20 * MiB  # large_segment_size's default: the segment of a request under kMinLargeAlloc
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
+ROUND_LARGE = 2 * MiB  # kRoundLarge: larger segments are rounded up to it
+NO_LIMIT = (1 << 64) - 1  # std::numeric_limits<size_t>::max(): max_split_size's default (no limit)
+DIVISION_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: one division count per power of two from 1 MiB (to 64 GiB)
+DIVISION_START_LOG2 = 20  # kRoundUpPowerOfTwoStart = 1 MiB
+VARIABLES = ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_HIP_ALLOC_CONF', 'PYTORCH_ALLOC_CONF')  # the order torch reads them
+TORCH = 'torch 2.14.1'
+
+FLAGS = ('expandable_segments', 'pinned_use_background_threads', 'release_lock_on_cudamalloc',
+         'release_lock_on_hipmalloc', 'pinned_use_cuda_host_register', 'pinned_use_hip_host_register',
+         'graph_capture_record_stream_reuse', 'pinned_free_catch_all', 'throw_on_cudamalloc_oom')
+# known to torch, and without effect on where an eager step's device blocks land: host (pinned) memory, the lock,
+# CUDA graph capture (train.py and validate.py capture none)
+NO_DEVICE_EFFECT = ('pinned_use_background_threads', 'pinned_max_round_threshold_mb', 'pinned_max_cached_size_mb',
+                    'release_lock_on_cudamalloc', 'release_lock_on_hipmalloc', 'pinned_use_cuda_host_register',
+                    'pinned_use_hip_host_register', 'graph_capture_record_stream_reuse',
+                    'pinned_reserve_segment_size_mb', 'pinned_num_register_threads', 'pinned_free_catch_all')
+MODELLED = ('expandable_segments', 'large_segment_size_mb', 'max_split_size_mb', 'max_non_split_rounding_mb',
+            'garbage_collection_threshold', 'roundup_power2_divisions')
+# known to torch and not modelled: another allocator, a second cap beside --mem-budget, another out-of-memory path
+REFUSED = {'backend': 'it selects CUDA\'s own allocator, which the replay does not model',
+           'per_process_memory_fraction': 'it caps the allocator a second time; give the cap as --mem-budget',
+           'throw_on_cudamalloc_oom': 'it changes when the allocator runs out, which the replay does not model'}
+KNOWN = (*MODELLED, *NO_DEVICE_EFFECT, *REFUSED)
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The allocator options that change where device blocks land (defaults: torch's, no option set).
+
+    Attributes:
+        expandable_segments: One growing segment per pool (`expandable_segments:True`).
+        max_split_size: Blocks of requests at or above it are never split, and requests below it never take them
+            (`max_split_size_mb`).
+        max_non_split_rounding: How much larger than an oversize request a cached block may be and still serve it
+            (`max_non_split_rounding_mb`; the constructor sets it to `large_segment_size`).
+        large_segment_size: The segment of a request between 1 and 10 MiB, and an expandable large page
+            (`large_segment_size_mb`).
+        roundup_power2_divisions: Per power of two from 1 MiB, how many divisions requests round up to (0: 512 B).
+        garbage_collection_threshold: Fraction of a memory-fraction cap above which old free segments are released.
+        variable: The environment variable it was read from ('' when none is set).
+        text: That variable's value.
+    """
+    expandable_segments: bool = False
+    max_split_size: int = NO_LIMIT
+    max_non_split_rounding: int = LARGE_BUFFER
+    large_segment_size: int = LARGE_BUFFER
+    roundup_power2_divisions: Tuple[int, ...] = (0,) * DIVISION_INTERVALS
+    garbage_collection_threshold: float = 0.0
+    variable: str = ''
+    text: str = ''
+
+    def round_size(self, nbytes: int) -> int:
+        """The bytes a request of `nbytes` takes from a block (CUDACachingAllocator.cpp `round_size`)."""
+        if nbytes < MIN_BLOCK:
+            return MIN_BLOCK
+        index = min(max(0, nbytes.bit_length() - 1 - DIVISION_START_LOG2), DIVISION_INTERVALS - 1)
+        divisions = self.roundup_power2_divisions[index]  # AcceleratorAllocatorConfig::roundup_power2_divisions
+        if divisions > 1 and nbytes > MIN_BLOCK * divisions:
+            return _next_division(nbytes, divisions)
+        return MIN_BLOCK * -(-nbytes // MIN_BLOCK)
+
+    def segment_size(self, size: int) -> int:
+        """The bytes cudaMalloc'ed for a rounded request no cached block holds (`get_allocation_size`)."""
+        if size <= SMALL_SIZE:
+            return SMALL_BUFFER
+        if size < MIN_LARGE_ALLOC:
+            return self.large_segment_size
+        return ROUND_LARGE * -(-size // ROUND_LARGE)
+
+
+def _next_division(size: int, divisions: int) -> int:
+    """`roundup_power2_next_division`: `size` up to the next of `divisions` equal steps between its powers of two."""
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    return size if size % step == 0 else (size // step + 1) * step
+
+
+def _tokens(text: str) -> List[str]:
+    """`ConfigTokenizer`: the separators are tokens of their own, white space is dropped."""
+    tokens, word = [], ''
+    for char in text:
+        if char in ',:[]':
+            if word:
+                tokens.append(word)
+                word = ''
+            tokens.append(char)
+        elif char not in ' \t\n\v\f\r':
+            word += char
+    return tokens + [word] if word else tokens
+
+
+def _error(variable: str, text: str, problem: str) -> UsageError:
+    return UsageError(f'{variable or "PYTORCH_ALLOC_CONF"}={text!r}: {problem}')
+
+
+def _size(token: str) -> int:
+    """`std::stoull`: the leading integer (a negative one wraps around); ValueError when there is none."""
+    match = re.match(r'[+-]?\d+', token)
+    if match is None:
+        raise ValueError(token)
+    return int(match.group()) % (1 << 64)
+
+
+def _number(token: str) -> float:
+    """`std::stod`: the leading decimal number; ValueError when there is none."""
+    match = re.match(r'[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?', token)
+    if match is None:
+        raise ValueError(token)
+    return float(match.group())
+
+
+def _divisions(value: List[str]) -> Tuple[int, ...]:
+    """`parseRoundUpPower2Divisions`: one count for all, or `[boundary_mb:count, ..., >:count]`."""
+    if value[0] != '[':
+        count = _size(value[0])
+        if count & (count - 1) or not count:
+            raise ValueError('the divisions must be a power of 2')
+        return (count,) * DIVISION_INTERVALS
+    counts, last, first = [0] * DIVISION_INTERVALS, 0, True
+    for item in ' '.join(value[1:-1]).split(' , ') if len(value) > 2 else ():
+        boundary, _, count_text = item.partition(' : ')
+        count = _size(count_text)
+        if count & (count - 1):
+            raise ValueError('the divisions must be a power of 2 or 0')
+        if boundary == '>':
+            counts[last + 1:] = [count] * (DIVISION_INTERVALS - last - 1)
+            continue
+        mb = _size(boundary)
+        if not mb or mb & (mb - 1):
+            raise ValueError('the intervals must be powers of 2')
+        index = min(mb.bit_length() - 1, DIVISION_INTERVALS - 1)
+        if first:
+            counts[:index] = [count] * index
+            first = False
+        counts[index], last = count, index
+    return tuple(counts)
+
+
+def _read(key: str, value: List[str], settings: Dict[str, object]) -> None:
+    """Check one option's value as torch does and keep what the model needs in `settings` (ValueError: refused)."""
+    if key in FLAGS and value[0] not in ('True', 'False'):
+        raise ValueError(f"{key} takes True or False, written so, not '{value[0]}'")
+    large = settings.get('large_segment_size', LARGE_BUFFER)
+    if key == 'expandable_segments':
+        settings['expandable_segments'] = value[0] == 'True'
+    elif key == 'large_segment_size_mb':
+        if _size(value[0]) <= MIN_LARGE_ALLOC // MiB:
+            raise ValueError(f'large_segment_size_mb must be > {MIN_LARGE_ALLOC // MiB}')
+        settings['large_segment_size'] = _size(value[0]) * MiB
+    elif key in ('max_split_size_mb', 'max_non_split_rounding_mb'):
+        if _size(value[0]) < large // MiB:
+            raise ValueError(f'{key} must be >= {large // MiB}')
+        name = 'max_split_size' if key == 'max_split_size_mb' else 'max_non_split_rounding'
+        settings[name] = min(_size(value[0]), NO_LIMIT // MiB) * MiB
+    elif key == 'garbage_collection_threshold':
+        if not 0 < _number(value[0]) < 1:
+            raise ValueError('garbage_collection_threshold must be in (0.0, 1.0)')
+        settings['garbage_collection_threshold'] = _number(value[0])
+    elif key == 'roundup_power2_divisions':
+        settings['roundup_power2_divisions'] = _divisions(value)
+    elif key == 'backend' and value[0] not in ('native', 'cudaMallocAsync'):
+        raise ValueError('backend is native or cudaMallocAsync')
+    elif key == 'per_process_memory_fraction' and not 0 <= _number(value[0]) <= 1:
+        raise ValueError('per_process_memory_fraction must be in [0.0, 1.0]')
+    elif key.endswith(('_mb', '_threads')) and key.startswith('pinned_'):
+        _size(value[0])
+
+
+def _refused(key: str, value: List[str]) -> bool:
+    """Whether a known option, with this value, asks for what the model does not follow (`REFUSED`)."""
+    if key == 'backend':
+        return value[0] != 'native'
+    if key == 'per_process_memory_fraction':
+        return _number(value[0]) < 1  # a fraction of 1 sets no cap (setMemoryFraction)
+    return key in REFUSED and value[0] != 'False'
+
+
+def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF') -> AllocatorConfig:
+    """`text` read as torch reads an allocator setting (AcceleratorAllocatorConfig::parseArgs and
+    CUDAAllocatorConfig::parseArgs, one pass), into the options the model uses.
+
+    Raises:
+        UsageError: Torch would refuse it, or it sets an option the model cannot follow (the option is named).
+    """
+    tokens, settings, i = _tokens(text), {}, 0
+    while i < len(tokens):
+        key = tokens[i]
+        if key not in KNOWN:
+            raise _error(variable, text, f"{TORCH} does not know the allocator option '{key}'; drop it (the options "
+                                         f"that place device blocks: {', '.join(MODELLED)})")
+        if tokens[i + 1:i + 2] != [':'] or i + 2 >= len(tokens):
+            raise _error(variable, text, f"'{key}' needs a value, written {key}:VALUE")
+        end = tokens.index(']', i + 2) if tokens[i + 2] == '[' and ']' in tokens[i + 2:] else i + 2
+        value = tokens[i + 2:end + 1]
+        try:
+            _read(key, value, settings)
+        except ValueError as e:
+            raise _error(variable, text, f'{TORCH} refuses {key}:{"".join(value)} ({e}); fix or drop it') from None
+        if _refused(key, value):
+            raise _error(variable, text, f'{key}:{"".join(value)} is not modelled: {REFUSED[key]}; drop it to plan')
+        i = end + 1
+        if i < len(tokens):
+            if tokens[i] != ',':
+                raise _error(variable, text, f"expected ',' after {key}:{''.join(value)}, found '{tokens[i]}'")
+            i += 1
+    return AllocatorConfig(**settings, variable=variable, text=text)
+
+
+def allocator_setting(environ: Mapping[str, str] = os.environ) -> Tuple[str, str]:
+    """(variable, value) of the allocator setting torch reads: the first of `VARIABLES` set; ('', '') for none."""
+    for variable in VARIABLES:
+        if variable in environ:
+            return variable, environ[variable]
+    return '', ''
+
+
+def allocator_config(environ: Mapping[str, str] = os.environ) -> AllocatorConfig:
+    """The allocator options of the run this environment starts; call it before planning a CUDA run.
+
+    Raises:
+        UsageError: The setting torch reads is refused by torch, or names an option the model cannot follow.
+    """
+    variable, text = allocator_setting(environ)
+    return parse_allocator_conf(text, variable) if variable else AllocatorConfig()
+
+
+def expandable_setting(environ: Mapping[str, str] = os.environ) -> Tuple[str, str]:
+    """(variable, value) that turns expandable segments on and keeps the rest of the user's setting: the variable
+    torch reads (PYTORCH_ALLOC_CONF when none is set), its options with `expandable_segments:True` in place of any
+    expandable_segments option.
+
+    Raises:
+        UsageError: The user's setting is refused (`allocator_config`).
+    """
+    config = allocator_config(environ)
+    variable = config.variable or 'PYTORCH_ALLOC_CONF'
+    options, depth, start = [], 0, 0
+    for i, char in enumerate(config.text + ','):
+        depth += (char == '[') - (char == ']')
+        if char == ',' and not depth:
+            options.append(config.text[start:i].strip())
+            start = i + 1
+    kept = [o for o in options if o and o.split(':', 1)[0].strip() != 'expandable_segments']
+    return variable, ','.join([*kept, 'expandable_segments:True'])
