@@ -127,7 +127,7 @@ def _math(backward: bool, training: bool, half: bool, batch: int, heads: int, qu
     value_copy = rows * keys * head_v * 4 if half else 0
     scores = rows * queries * keys * 4
     if backward:  # gradients of the softmax and of its input, then of the operands, in float32
-        operands = (rows * queries * head_v + scaled_query + scaled_key + rows * keys * head_v) if half else 0
+        operands = (rows * queries * head_v * 4 + scaled_query + scaled_key + rows * keys * head_v * 4) if half else 0
         yield 2 * scores + operands, 'op', 'math attention backward'
         yield 0, 'release', 'math attention saved'
         return
