@@ -15,7 +15,8 @@ differed); a tensor "fits 32-bit indexing" as `canUse32BitIndexMath` says: fewer
   The limit is that window's start.
 * Reflection and replication padding (aten/src/ATen/native/cuda/ReflectionPad.cu, ReplicationPadding.cu): the
   forward checks its input; the backward of replication padding (and of 1-d and 3-d reflection padding) checks the
-  input and the output gradient; 2-d reflection padding's backward checks nothing.
+  input and the output gradient; 2-d reflection padding's backward checks nothing (the 2-d checks counted in the
+  installed libtorch_cuda.so; the 1-d and 3-d ones read from the stored sources).
 * Flash attention (flash_attn/flash_fwd_launch_template.h, `run_flash_fwd`: `dim3 grid(num_m_block, params.b,
   params.h)`): the batch (a windowed model's batch x windows) is a grid's y dimension, at most 65535
   (`ATTENTION_ROWS`). Flash is what the assumed card (sm120, `kernels_attention.ASSUMED_COMPUTE_CAPABILITY`) runs

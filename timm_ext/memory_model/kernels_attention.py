@@ -18,7 +18,8 @@ Backend choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sd
 * memory-efficient: sm50 to sm121, float32 or float16 (bfloat16 from sm80), query and key of one head size, both head
   sizes divisible by `minimum_gemm_alignment` (8 for half inputs, 4 for float32 from sm80, else 1);
 * cuDNN: float16/bfloat16, sm80 to sm121, head sizes multiples of 8 of at most 256 (128 where they differ), more
-  than one key, and in training on 9.0/10.x head sizes of at most 128.
+  than one key, and in training on 9.0/10.x head sizes of at most 128 (the binary says "does not support backward
+  with these head dimensions"; the bound of 128 is an assumption).
 
 What each holds beyond the CPU op:
 
@@ -36,7 +37,9 @@ What each holds beyond the CPU op:
   which holds float32 gradients of the softmax, of its input, and of the operands for its own time.
 
 Not modelled: cuDNN attention's workspace (its engine picks it at run time), the memory-efficient kernel's padded
-mask copy, and what a CUDA fused kernel saves less than the CPU math path the trace ran.
+mask copy and its logsumexp's queries rounded to 32, flash's padded copies of head sizes that are not multiples of
+8, and what a CUDA fused kernel saves less than the CPU math path the trace ran (CPU runs math for dropout and for a
+mask that needs a gradient).
 """
 import os
 from typing import Iterator, List, Mapping, Optional, Tuple
