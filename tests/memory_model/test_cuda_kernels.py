@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from timm_ext.memory_model.events import EventLog
-from timm_ext.memory_model.kernels import cublas_workspace_bytes, cuda_allocations
+from timm_ext.memory_model.kernels import cublas_workspace_bytes, cublaslt_workspace_bytes, cuda_allocations
 
 MiB = 1 << 20
 
@@ -24,16 +24,48 @@ def _logged(run, module: nn.Module = None):
 
 
 def test_cublas_keeps_one_workspace_per_handle_and_the_backward_runs_on_its_own_thread():
-    # aten/src/ATen/cuda/CublasHandlePool.cpp: the workspace is allocated through the caching allocator per
-    # (handle, stream), and a handle is per thread; CUBLAS_WORKSPACE_CONFIG's default ":4096:8" on sm90, else
-    # ":4096:2:16:8"
-    assert cublas_workspace_bytes((9, 0)) == 32 * MiB and cublas_workspace_bytes((8, 6)) == 8 * MiB + 128 * 1024
-
+    """aten/src/ATen/cuda/CublasHandlePool.cpp, setWorkspaceForHandle: the workspace is allocated through the
+    caching allocator per (handle, stream), and a handle is per thread (getCurrentCUDABlasHandle's PoolWindow)."""
     def train(fc):
         fc(torch.randn(8, 64, requires_grad=True)).sum().backward()
     ops, allocations = _logged(train, nn.Linear(64, 64))
     kept = {key for per_op in allocations for _, life, key in per_op if life == 'kept'}
-    assert kept == {'cublas', 'cublas backward'}
+    assert kept == {'cublas forward', 'cublas backward'}
+
+
+def test_cublas_takes_32_mib_on_compute_capability_9_to_12_and_8_mib_below():
+    """aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize: ":4096:8" where the major is 9, 10, 11 or 12
+    (the installed libtorch_cuda.so: `major - 9 < 4`), else ":4096:2:16:8"; an unknown card is the newest's."""
+    for major in (9, 10, 11, 12):
+        assert cublas_workspace_bytes((major, 0), {}) == 32 * MiB
+    for cc in ((7, 5), (8, 0), (8, 6), (8, 9)):
+        assert cublas_workspace_bytes(cc, {}) == 8 * MiB + 128 * 1024
+    assert cublas_workspace_bytes(None, {}) == 32 * MiB
+
+
+def test_cublas_workspace_config_sums_every_size_times_its_count_and_falls_back_when_it_does_not_parse():
+    """aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize: std::regex ":([0-9]+):([0-9]+)" searched
+    through CUBLAS_WORKSPACE_CONFIG, total += SIZE * 1024 * COUNT; no match: the default (with a warning)."""
+    assert cublas_workspace_bytes((8, 6), {'CUBLAS_WORKSPACE_CONFIG': ':4096:8'}) == 32 * MiB
+    assert cublas_workspace_bytes((9, 0), {'CUBLAS_WORKSPACE_CONFIG': ':16:8'}) == 128 * 1024
+    assert cublas_workspace_bytes((9, 0), {'CUBLAS_WORKSPACE_CONFIG': 'x:4096:2:16:8'}) == 8 * MiB + 128 * 1024
+    assert cublas_workspace_bytes((8, 0), {'CUBLAS_WORKSPACE_CONFIG': '4096'}) == 8 * MiB + 128 * 1024
+    kept = list(cuda_allocations('matmul', [], False, (9, 0), {'CUBLAS_WORKSPACE_CONFIG': ':0:0'}))
+    assert kept == [(0, 'kept', 'cublas forward')]
+
+
+def test_cublaslt_shares_the_cublas_workspace_unless_told_not_to():
+    """aten/src/ATen/cuda/CublasHandlePool.cpp, unified_cublas_and_lt_workspaces: unified unless
+    TORCH_CUBLASLT_UNIFIED_WORKSPACE is "0" (c10::utils::check_env); then getCUDABlasLtWorkspace keeps its own
+    CUBLASLT_WORKSPACE_SIZE KiB (parseCUDABlasLtWorkspaceSize: 1024 by default, std::stoi's reading)."""
+    def keys(environ):
+        return [(n, key) for n, _, key in cuda_allocations('matmul lt', [], True, (8, 0), environ)]
+    assert keys({}) == keys({'TORCH_CUBLASLT_UNIFIED_WORKSPACE': '1'}) == [(8 * MiB + 128 * 1024, 'cublas backward')]
+    assert keys({'TORCH_CUBLASLT_UNIFIED_WORKSPACE': '0'})[1] == (MiB, 'cublaslt backward')
+    separate = {'TORCH_CUBLASLT_UNIFIED_WORKSPACE': '0', 'CUBLASLT_WORKSPACE_SIZE': '4096kb'}
+    assert cublaslt_workspace_bytes(separate) == 4 * MiB
+    ops, _ = _logged(lambda fc: fc(torch.randn(8, 64)), nn.Linear(64, 64))
+    assert [sig for sig, _, _ in ops] == ['matmul lt']  # a Linear with a bias: addmm, the Lt epilogue
 
 
 def test_layer_norm_copies_a_permuted_input_in_the_forward_and_its_gradient_in_the_backward():
@@ -61,25 +93,6 @@ def test_layer_norm_copies_a_permuted_input_in_the_forward_and_its_gradient_in_t
     assert [sum(n for n, _, _ in a) for (sig, _, _), a in zip(ops, allocations) if 'layer_norm' in sig] == [0, nbytes]
 
 
-def test_flash_attention_backward_holds_float32_accumulators_for_dq_and_the_softmax_sums():
-    # aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, mha_bwd: dq_accum is float32 batch x
-    # round_multiple(seq, 128) x heads x round_multiple(head_size, 32); softmax_d float32 batch x heads x seq rounded
-    def attention(_):
-        q = torch.randn(2, 3, 197, 64, dtype=torch.float16, requires_grad=True)
-        F.scaled_dot_product_attention(q, q, q).sum().backward()
-    ops, allocations = _logged(attention)
-    flash = [a for (sig, _, _), a in zip(ops, allocations) if sig == 'flash backward']
-    assert flash, [sig for sig, _, _ in ops]
-    (dq_accum, _, _), (softmax_d, _, _) = flash[0]
-    assert dq_accum == 4 * 2 * 256 * 3 * 64 and softmax_d == 4 * 2 * 3 * 256
-
-    def float32_attention(_):  # CUDA runs the memory-efficient kernel: no flash accumulators
-        q = torch.randn(2, 3, 197, 64, requires_grad=True)
-        F.scaled_dot_product_attention(q, q, q).sum().backward()
-    ops, _ = _logged(float32_attention)
-    assert 'flash backward' not in [sig for sig, _, _ in ops]
-
-
 def test_a_cudnn_convolution_asks_for_an_adaptive_workspace_keyed_by_its_shape():
     # aten/src/ATen/native/cudnn/Conv_v8.cpp: with benchmark, only plans whose workspace fits are kept, the largest
     # halved on OOM: a workspace shrinks to what is free and never fails the step by itself
@@ -89,24 +102,3 @@ def test_a_cudnn_convolution_asks_for_an_adaptive_workspace_keyed_by_its_shape()
     lives = [life for per_op in allocations for _, life, _ in per_op]
     assert lives == ['adaptive', 'adaptive']  # the forward and the backward
     assert ops[0][0] != ops[1][0] and '(8, 16, 16)' in ops[0][0]  # one search per shape, the batch left out
-
-
-def test_attention_on_3d_inputs_runs_cuda_math_path_in_float32_with_the_scores_and_their_softmax():
-    # sdp_utils.cpp: every fused CUDA kernel checks for 4-d inputs (timm's SAM ViT folds the heads into the batch);
-    # attention.cpp's math path upcasts half inputs (allow_fp16_bf16_reduction_math_sdp off by default), then
-    # holds the scores and their softmax. The CPU trace ran its flash kernel, which holds neither.
-    def folded(_):
-        q = torch.randn(24, 256, 64, dtype=torch.float16)
-        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(24, 256, 256, dtype=torch.float16))
-    ops, allocations = _logged(folded)
-    math = [a for (sig, _, _), a in zip(ops, allocations) if sig == 'math attention']
-    assert math, [sig for sig, _, _ in ops]
-    operands, scores, softmax = (n for n, _, _ in math[0])
-    assert scores == softmax == 4 * 24 * 256 * 256
-    assert operands == 4 * 24 * 256 * 64 * (3 + 2 + 1)  # float32 copies, the scaled query and key, the output
-
-    def four_d(_):  # flash or memory-efficient on CUDA: nothing of the math path
-        q = torch.randn(2, 12, 256, 64, dtype=torch.float16)
-        F.scaled_dot_product_attention(q, q, q)
-    ops, _ = _logged(four_d)
-    assert 'math attention' not in [sig for sig, _, _ in ops]

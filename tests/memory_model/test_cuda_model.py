@@ -12,7 +12,6 @@ from timm_ext.memory import parse_budget
 from timm_ext.memory_model.autocast_casts import CudaAutocastCasts
 from timm_ext.memory_model.devices import CARD_REPORTED_SHARE, CUDA_CONTEXT_BYTES, card_memory, device_model
 from timm_ext.memory_model.estimate import MemoryEstimate, estimate_memory
-from timm_ext.memory_model.kernel_limits import KernelSizes, launch_limit
 from timm_ext.memory_model.live_bytes import CATEGORIES, LiveBytes
 from timm_ext.tune.estimate_plan import plan_from_estimate
 from timm_ext.train.args import parse_args
@@ -120,49 +119,9 @@ def test_the_forward_only_estimates_hold_far_less_than_an_update():
     assert validate.largest_batch(1 * GiB) > 2 * train.largest_batch(1 * GiB)
 
 
-def _sizes(run) -> dict:
-    """What `KernelSizes` records while `run` runs on fake tensors under float16 autocast."""
-    with FakeTensorMode():
-        sizes = KernelSizes()
-        with sizes, torch.autocast('cpu', dtype=torch.float16):
-            run()
-    return sizes.sizes
-
-
-def test_a_7x7_depthwise_convolution_limits_the_batch_below_2_31_elements_and_a_contiguous_3x3_does_not():
-    x = lambda: torch.randn(4, 64, 96, 96)
-    seven = _sizes(lambda: F.conv2d(x(), torch.randn(64, 1, 7, 7), padding=3, groups=64))
-    three = _sizes(lambda: F.conv2d(x(), torch.randn(64, 1, 3, 3), padding=1, groups=64))
-    strided = _sizes(lambda: F.conv2d(x().transpose(2, 3), torch.randn(64, 1, 3, 3), padding=1, groups=64))
-    per_sample = lambda sizes: {k: v / 4 for k, v in sizes.items()}
-    batch, why = launch_limit(per_sample(seven))
-    assert batch == (2 ** 31 - 1) // (64 * 96 * 96) and '2**31' in why  # ConvNeXt's kernel (PyTorch's own)
-    assert launch_limit(per_sample(three)) == (None, '')  # cuDNN's, which indexes in 64 bits
-    assert launch_limit(per_sample(strided))[0] == batch  # a permuted input takes PyTorch's kernel (pvt_v2, gcvit)
-
-
-def test_a_depthwise_convolution_of_fewer_than_32_channels_takes_the_32_bit_kernel_whatever_its_filter():
-    # aten/src/ATen/native/Convolution.cpp, use_cudnn_depthwise: cuDNN's depthwise path needs 32 channels or more;
-    # mobilenetv4_conv_aa_large's 24-channel blur pool stops inside its rung on the RTX Pro 6000 (1536-2047 at 448 px)
-    narrow = _sizes(lambda: F.conv2d(torch.randn(4, 24, 96, 96), torch.randn(24, 1, 3, 3), stride=2, groups=24))
-    wide = _sizes(lambda: F.conv2d(torch.randn(4, 32, 96, 96), torch.randn(32, 1, 3, 3), stride=2, groups=32))
-    assert launch_limit({k: v / 4 for k, v in narrow.items()})[0] == (2 ** 31 - 1) // (24 * 96 * 96)
-    assert launch_limit({k: v / 4 for k, v in wide.items()}) == (None, '')
-
-
-def test_reflection_padding_and_unmasked_attention_have_limits_masked_attention_does_not():
-    pad = _sizes(lambda: F.pad(torch.randn(2, 8, 16, 16), (1, 1, 1, 1), mode='reflect'))
-    assert launch_limit({k: v / 2 for k, v in pad.items()})[0] == (2 ** 31 - 1) // (8 * 18 * 18)
-    q = lambda: torch.randn(64, 3, 49, 32)  # 64 windows of one sample
-    plain = _sizes(lambda: F.scaled_dot_product_attention(q(), q(), q()))
-    masked = _sizes(lambda: F.scaled_dot_product_attention(q(), q(), q(), attn_mask=torch.zeros(49, 49)))
-    assert launch_limit(plain) == (1023, launch_limit(plain)[1]) and '65536' in launch_limit(plain)[1]
-    assert launch_limit(masked) == (None, '')
-
-
 def test_attention_windows_limit_the_batch_to_65535_rows_whatever_the_card():
     # a windowed attention of 64 windows a sample: batch 1024 would be 65536 rows (timm's tables: davit_tiny, hieradet)
     estimate = _estimate({'activations': (0.0, 1 * MiB)})
-    estimate = dataclasses.replace(estimate, kernel_sizes={'attention unmasked': 64.0})
+    estimate = dataclasses.replace(estimate, kernel_sizes={'attention flash': 64.0})
     assert estimate.largest_batch(1000 * GiB) == 1023 == estimate.largest_batch(2000 * GiB)
     assert estimate.largest_batch(100 * MiB) == 100  # where memory binds first, memory decides

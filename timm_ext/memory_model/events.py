@@ -89,7 +89,7 @@ class EventLog(LiveBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._op = str(func).removeprefix('aten.')
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        described = describe_op(func, args, out)
+        described = describe_op(func, args, out, kwargs)
         if described is not None:
             signature, numbers = described
             self.events.append(['o', self.name(signature), self._where(), *numbers])

@@ -103,6 +103,11 @@ def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, p
                 kept[key] = allocator.malloc(nbytes, tag)
         elif life == 'op':
             transient.append(allocator.malloc(nbytes, tag))
+        elif life == 'saved':  # held for the op's backward, which releases the latest one (autograd's order)
+            kept.setdefault(('saved', key), []).append(allocator.malloc(nbytes, tag))
+        elif life == 'release':
+            if kept.get(('saved', key)):
+                allocator.free(kept[('saved', key)].pop())
         else:
             block = _cudnn_workspace(allocator, nbytes, tag, plans, config)
             transient += [block] if block is not None else []

@@ -1,0 +1,168 @@
+"""scaled_dot_product_attention on CUDA: which backend torch 2.14.1 picks, and what it holds beyond the CPU trace.
+
+The trace runs on CPU, where `scaled_dot_product_attention` runs `_scaled_dot_product_flash_attention_for_cpu`
+(without dropout, and without a mask that needs a gradient: those run CPU's math path, whose ops the trace already
+records). That op saves its output and a float32 logsumexp (batch x heads x queries), as CUDA's flash kernel does.
+`describe_attention` writes the call's shapes and flags into the event log; `attention_allocations` picks the CUDA
+backend for the card (`cuda_attention_backend`) and gives what that backend allocates beyond the CPU op.
+
+Backend choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend` and the
+`can_use_*` checks; read against the installed libtorch_cuda.so, whose warning strings and `priority_order` match):
+
+* order: flash, memory-efficient, math, cuDNN; cuDNN first (`check_prefer_cudnn_attention`) on compute capability
+  9.x and 10.x when the runtime cuDNN is newer than 9.15.0 (the wheel ships 9.24) and TORCH_CUDNN_SDPA_DEPRIORITIZED
+  is not "1";
+* every fused kernel takes 4-d inputs only (`check_tensor_shapes`);
+* flash: float16/bfloat16, sm80 to sm121, no mask, query, key and value of one head size of at most 256; in training
+  not a head size in (192, 224], nor above 224 with dropout, on sm86-sm89 and sm120-sm121;
+* memory-efficient: sm50 to sm121, float32 or float16 (bfloat16 from sm80), query and key of one head size, both head
+  sizes divisible by `minimum_gemm_alignment` (8 for half inputs, 4 for float32 from sm80, else 1);
+* cuDNN: float16/bfloat16, sm80 to sm121, head sizes multiples of 8 of at most 256 (128 where they differ), more
+  than one key, and in training on 9.0/10.x head sizes of at most 128 (the binary says "does not support backward
+  with these head dimensions"; the bound of 128 is an assumption).
+
+What each holds beyond the CPU op:
+
+* flash's backward (flash_attn/flash_api.cpp, `mha_bwd`): float32 accumulators for dq (batch x queries rounded to
+  128 x heads x head size rounded to 32, 64 above 128) and the softmax row sums (batch x heads x queries rounded to
+  128), for the time of the op;
+* the memory-efficient backward (attention_backward.cu, `_efficient_attention_backward`; mem_eff_attention/
+  kernel_backward.h, `workspace_size`): a float32 dq accumulator per batch and head (`kNeedsAccumGradQ`, split keys
+  from sm70), and for half inputs with head sizes above the kernel's block (`kNeedsAccumGradK/V`) dk and dv
+  accumulators; the tiles are `MEM_EFFICIENT_TILE` (an assumption: the kernel is picked at run time);
+* the math path (attention.cpp, `_scaled_dot_product_attention_math`): half inputs computed in float32
+  (`allow_fp16_bf16_reduction_math_sdp` off by default): the query and key scaled by the root of the scale, the
+  batch x heads x queries x keys scores and their softmax. Without a gradient all of it lives for the op; in
+  training autograd keeps the scaled query and key, the softmax and the float32 value until the op's backward,
+  which holds float32 gradients of the softmax, of its input, and of the operands for its own time.
+
+Not modelled: cuDNN attention's workspace (its engine picks it at run time), the memory-efficient kernel's padded
+mask copy and its logsumexp's queries rounded to 32, flash's padded copies of head sizes that are not multiples of
+8, and what a CUDA fused kernel saves less than the CPU math path the trace ran (CPU runs math for dropout and for a
+mask that needs a gradient).
+"""
+import os
+from typing import Iterator, List, Mapping, Optional, Tuple
+
+__all__ = ['ASSUMED_COMPUTE_CAPABILITY', 'MEM_EFFICIENT_TILE', 'cuda_attention_backend', 'describe_attention',
+           'attention_allocations']
+
+# the card assumed where none is named: the newest generation of the named cards (RTX 5090, RTX Pro 6000: sm120)
+ASSUMED_COMPUTE_CAPABILITY = (12, 0)
+MEM_EFFICIENT_TILE = 64  # assumption: kBlockSizeI and MatmulGradQ's kN of the sm80 kernels for head sizes <= 128
+FORWARD = '_scaled_dot_product_flash_attention_for_cpu.default'
+BACKWARD = '_scaled_dot_product_flash_attention_for_cpu_backward.default'
+_HALF = ('torch.float16', 'torch.bfloat16')
+_NEWEST_FUSED = (12, 1)  # sm121: the top of every fused kernel's range in 2.14.1
+_CUDNN_PREFERRED_ABOVE = 91500  # check_prefer_cudnn_attention: runtime cuDNN > 9.15.0
+WHEEL_CUDNN_VERSION = 92400  # nvidia-cudnn-cu13 9.24.0.43, the cuDNN torch 2.14.1+cu130 installs
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    """c10::utils::check_env: "1" is true; anything else is not."""
+    return environ.get(name) == '1'
+
+
+def cuda_attention_backend(dtype: str, head_qk: int, head_v: int, keys: int, four_d: bool, masked: bool,
+                           dropout: bool, training: bool, compute_capability: Optional[Tuple[int, int]] = None,
+                           environ: Optional[Mapping[str, str]] = None) -> str:
+    """The backend `select_sdp_backend` picks: 'flash', 'efficient', 'cudnn' or 'math' (see the module doc)."""
+    cc = compute_capability or ASSUMED_COMPUTE_CAPABILITY
+    environ = os.environ if environ is None else environ
+    half = dtype in _HALF
+
+    def flash() -> bool:
+        narrow = (8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)
+        too_wide = training and narrow and (192 < head_qk <= 224 or (head_qk > 224 and dropout))
+        return half and (8, 0) <= cc <= _NEWEST_FUSED and not masked and head_qk == head_v <= 256 and not too_wide
+
+    def efficient() -> bool:
+        alignment = 8 if half and cc >= (7, 0) else 4 if cc >= (8, 0) else 1
+        dtype_ok = dtype in ('torch.float32', 'torch.float16') or (dtype == 'torch.bfloat16' and cc >= (8, 0))
+        return (5, 0) <= cc <= _NEWEST_FUSED and dtype_ok and head_qk % alignment == 0 and head_v % alignment == 0
+
+    def cudnn() -> bool:
+        widest = 256 if head_qk == head_v else 128
+        backward_ok = not (training and cc[0] in (9, 10) and max(head_qk, head_v) > 128)
+        return (half and (8, 0) <= cc <= _NEWEST_FUSED and head_qk % 8 == 0 and head_v % 8 == 0
+                and max(head_qk, head_v) <= widest and keys > 1 and backward_ok)
+
+    checks = {'flash': flash, 'efficient': efficient, 'math': lambda: True, 'cudnn': cudnn}
+    order = ['flash', 'efficient', 'math', 'cudnn']
+    if cc[0] in (9, 10) and WHEEL_CUDNN_VERSION > _CUDNN_PREFERRED_ABOVE \
+            and not _flag(environ, 'TORCH_CUDNN_SDPA_DEPRIORITIZED'):
+        order = ['cudnn', 'flash', 'efficient', 'math']
+    if not four_d:
+        return 'math'
+    return next(name for name in order if checks[name]())
+
+
+def describe_attention(name: str, args: tuple, kwargs: Mapping) -> Optional[Tuple[str, List[int]]]:
+    """For the CPU flash op or its backward: (a signature of what picks the backend, [batch, heads, queries, keys,
+    query head size, value head size]); None for other ops."""
+    if name == FORWARD:
+        query, key, value = args[:3]
+        mask = kwargs.get('attn_mask')
+        training = query.requires_grad or key.requires_grad or value.requires_grad
+    elif name == BACKWARD:
+        query, key, value = args[1:4]
+        mask, training = kwargs.get('attn_mask'), True
+    else:
+        return None
+    # a traced batch is never 1: a leading 1 is a 3-d call the CPU unsqueezed, which CUDA's fused kernels refuse
+    four_d = query.shape[0] != 1
+    batch, heads, queries, head_qk = query.shape
+    flags = (f'{str(query.dtype)} {"4-d" if four_d else "3-d"} {"masked" if mask is not None else "unmasked"}'
+             f' {"training" if training else "inference"}')
+    where = 'backward' if name == BACKWARD else 'forward'
+    return f'attention {where} {flags}', [batch, heads, queries, key.shape[-2], head_qk, value.shape[-1]]
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _math(backward: bool, training: bool, half: bool, batch: int, heads: int, queries: int, keys: int,
+          head_qk: int, head_v: int) -> Iterator[Tuple[int, str, str]]:
+    """The math path's float32 work (the module doc); 'saved' until the backward's 'release' of the same key."""
+    rows = batch * heads  # every tensor below is float32: half inputs are upcast, float32 ones stay
+    scaled_query, scaled_key = rows * queries * head_qk * 4, rows * keys * head_qk * 4
+    value_copy = rows * keys * head_v * 4 if half else 0
+    scores = rows * queries * keys * 4
+    if backward:  # gradients of the softmax and of its input, then of the operands, in float32
+        operands = (rows * queries * head_v * 4 + scaled_query + scaled_key + rows * keys * head_v * 4) if half else 0
+        yield 2 * scores + operands, 'op', 'math attention backward'
+        yield 0, 'release', 'math attention saved'
+        return
+    copies = (rows * queries * head_qk + rows * keys * head_qk) * 4 if half else 0  # freed once scaled
+    output = rows * queries * head_v * 4 if half else 0  # float32 before the cast back
+    if training:
+        yield scaled_query + scaled_key + scores + value_copy, 'saved', 'math attention saved'
+        yield copies + scores + output, 'op', 'math attention scores'
+    else:
+        yield copies + scaled_query + scaled_key + value_copy + output, 'op', 'math attention operands'
+        yield scores, 'op', 'math attention scores'
+        yield scores, 'op', 'math attention softmax'
+
+
+def attention_allocations(signature: str, numbers: List[int], compute_capability: Optional[Tuple[int, int]] = None,
+                          environ: Optional[Mapping[str, str]] = None) -> Iterator[Tuple[int, str, str]]:
+    """What the CUDA backend for a `describe_attention` call allocates beyond the CPU op, as (bytes, life, key)."""
+    _, where, dtype, shape, mask, mode = signature.split(' ')
+    batch, heads, queries, keys, head_qk, head_v = numbers
+    backward, training, half = where == 'backward', mode == 'training', dtype in _HALF
+    backend = cuda_attention_backend(dtype, head_qk, head_v, keys, shape == '4-d', mask == 'masked', False,
+                                     training, compute_capability, environ)
+    if backend == 'math':
+        yield from _math(backward, training, half, batch, heads, queries, keys, head_qk, head_v)
+    elif backend == 'flash' and backward:
+        queries_rounded = _round_up(queries, 128)
+        yield 4 * batch * queries_rounded * heads * _round_up(head_qk, 32 if head_qk <= 128 else 64), 'op', \
+            'flash dq_accum'
+        yield 4 * batch * heads * queries_rounded, 'op', 'flash softmax_d'
+    elif backend == 'efficient' and backward:
+        tile = MEM_EFFICIENT_TILE
+        per_head = _round_up(queries, tile) * _round_up(head_qk, tile)
+        if half and max(head_qk, head_v) > 128:  # dk, dv accumulated outside the registers
+            per_head += _round_up(keys, tile) * (_round_up(head_qk, tile) + _round_up(head_v, tile))
+        yield 4 * batch * heads * per_head, 'op', 'efficient backward workspace'
