@@ -104,7 +104,7 @@ def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, p
         elif life == 'op':
             transient.append(allocator.malloc(nbytes, tag))
         elif life == 'saved':  # held for the op's backward, which releases the latest one (autograd's order)
-            kept.setdefault(('saved', key), []).append(allocator.malloc(nbytes, tag))
+            kept.setdefault(('saved', key), []).append(allocator.malloc(nbytes, ('activations', key, where)))
         elif life == 'release':
             if kept.get(('saved', key)):
                 allocator.free(kept[('saved', key)].pop())
