@@ -16,10 +16,11 @@ def _viz(action: str, path, home) -> subprocess.CompletedProcess:
 
 def test_validate_writes_a_snapshot_that_memory_viz_reads_and_whose_segments_add_up(tmp_path):
     path = tmp_path / 's.pickle'
-    done = run_script('validate.py', '--model', 'resnet50', '--amp', '--device', 'cuda', '--mem-budget', '24GiB',
+    done = run_script('validate.py', '--model', 'resnet50', '--amp', '--device', 'cuda', '--gpu', 'rtx3090',
                       '--estimate', '--memory-snapshot', path, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert 'Memory snapshot (predicted' in done.stdout and '--memory-snapshot' not in done.stdout.split('command:')[1]
+    command = done.stdout.split('command:')[1]
+    assert 'Memory snapshot (predicted' in done.stdout and '--memory-snapshot' not in command and '--gpu' not in command
     snapshot = pickle.loads(path.read_bytes())
     segments = snapshot['segments']
     assert segments and all(sum(b['size'] for b in s['blocks']) == s['total_size'] for s in segments)

@@ -31,11 +31,12 @@ from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
 from .autocast_casts import CudaAutocastCasts
+from .cards import find_card
 from .devices import DeviceModel, device_model
 from .events import EventLog
 from .kernel_limits import KernelSizes, launch_limit
 from .live_bytes import CATEGORIES, LiveBytes
-from .predict import CudaReplay, trace_logs
+from .predict import CudaReplay, run_config, trace_logs
 from .replay import ReplayConfig
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
@@ -91,10 +92,10 @@ class MemoryEstimate:
     def from_json(cls, data: dict, device: DeviceModel,
                   replay_config: Optional[ReplayConfig] = None) -> 'MemoryEstimate':
         """The estimate `to_json` wrote, for `device`; its replay runs as `replay_config` says (default: as the
-        environment asks, `CudaReplay`)."""
+        environment asks, on the device's card, `run_config`)."""
         replay = None
         if data.get('log'):
-            replay = CudaReplay(data['log']) if replay_config is None else CudaReplay(data['log'], replay_config)
+            replay = CudaReplay(data['log'], replay_config or run_config(device.compute_capability))
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
                    data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0))
@@ -270,7 +271,9 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     """Trace train.py's update for `args` on fake tensors at `batches` (in a child process) and fit each category.
 
     Args:
-        args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified.
+        args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified. Its
+            `gpu`, where it has one (tune_batch.py's and validate.py's `--gpu`), names the card planned for
+            (`timm_ext.memory_model.cards.find_card`).
         device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.memory_model.devices.device_model`).
         onednn: CPU: whether oneDNN will run the convolutions.
         batches: The batch sizes traced (at least two).
@@ -280,7 +283,8 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
-    device = device_model(device_type, onednn)
+    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
+    device = device_model(device_type, onednn, card)
     reply = in_child(_traced_reply, args, device_type, onednn, tuple(batches), step_kind)
     if reply is None:
         raise EstimateError(f'the estimate of {args.model} died before it finished (its process gave no answer)')

@@ -12,7 +12,13 @@ from . import replay as replays
 from .allocator import expandable_segments_asked
 from .events import ScaledLog
 
-__all__ = ['CudaReplay', 'trace_logs']
+__all__ = ['CudaReplay', 'run_config', 'trace_logs']
+
+
+def run_config(compute_capability: Optional[Tuple[int, int]] = None) -> replays.ReplayConfig:
+    """How the user's run replays: expandable segments as the environment asks, on a card of `compute_capability`
+    (None: not known)."""
+    return replays.ReplayConfig(expandable=expandable_segments_asked(), compute_capability=compute_capability)
 
 
 @dataclass
@@ -21,12 +27,10 @@ class CudaReplay:
 
     Attributes:
         log: `ScaledLog.to_json()` of the step.
-        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); expandable segments as the
-            environment asks when not given.
+        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); `run_config()` when not given.
     """
     log: dict
-    config: replays.ReplayConfig = field(
-        default_factory=lambda: replays.ReplayConfig(expandable=expandable_segments_asked()))
+    config: replays.ReplayConfig = field(default_factory=run_config)
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)
 
