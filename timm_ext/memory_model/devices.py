@@ -54,7 +54,8 @@ class DeviceModel:
 
     Attributes:
         name: The device as the report names it.
-        allocated: Bytes the allocator hands out for n bytes made by an op, given (op or None, its args, n).
+        allocated: Bytes the allocator hands out for n bytes made by an op, given (op or None, its args, n); n on
+            CUDA, whose caching allocator the replay runs (`timm_ext.memory_model.allocator`, the one model of it).
         workspace: Bytes an op allocates for itself while it runs, given (op, args, its result); None: none.
         kept: Bytes a library keeps from an op on (the largest ask stays), given (op, args, its result); None: none.
         fixed: Categories the device adds whatever the batch, name -> bytes.
