@@ -1,4 +1,4 @@
-"""docs/gpu.md's table of named cards, written from `timm_ext.memory_model.cards` (the table `--gpu` and the atlas read).
+"""docs/gpu.md's table of named cards, written from `timm_ext.memory_model.cards`, the table `--gpu` and the atlas read.
 
     python bench/card_table.py            # print the table
     python bench/card_table.py --write    # replace it in docs/gpu.md, between its `cards` markers
@@ -30,8 +30,8 @@ def card_rows() -> List[str]:
         note = f'; {card.note}' if card.note else ''
         rows.append(f'| `{card.name}`{aliases} | {card.title} | {card.reported_bytes / GiB:.2f} GiB | '
                     f'{card.allocator_bytes / GiB:.2f} GiB | {major}.{minor} | {card.reported_source}{note} |')
-    rows += ['', f'Compute capabilities: {COMPUTE_CAPABILITY_SOURCE}. CUDA contexts (outside the caching allocator):', '',
-             '| context | bytes | source | basis |', '| --- | ---: | --- | --- |']
+    rows += ['', f'Compute capabilities: {COMPUTE_CAPABILITY_SOURCE}. CUDA contexts (outside the caching allocator):',
+             '', '| context | bytes | source | basis |', '| --- | ---: | --- | --- |']
     rows += [f'| {c.name} | {c.nbytes / GiB:.2f} GiB | {c.source} | {c.basis} |' for c in CONTEXTS.values()]
     return rows
 

@@ -13,8 +13,8 @@ SMALL = ['--model', 'test_resnet', '--img-size', '32', '--num-classes', '3', '--
 def test_estimate_plans_a_cuda_run_on_32_gpus_without_a_gpu_or_the_data(tmp_path):
     config = tmp_path / 'plan.yaml'
     done = run_script('tune_batch.py', '--data-dir', tmp_path / 'not-here', *SMALL, '--amp', '--device', 'cuda',
-                      '--gpu', 'A100', '--mem-budget', '2GiB,24GiB,78GiB', '--estimate', '--nproc', '8', '--nnodes',
-                      '4', '--target-global-batch', '4096', '--tuned-config', config)
+                      '--gpu', 'A100-80GB', '--mem-budget', '2GiB,24GiB,78GiB', '--estimate', '--nproc', '8',
+                      '--nnodes', '4', '--target-global-batch', '4096', '--tuned-config', config)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert 'Estimate (no real trial ran)' in out and 'not yet measured on a GPU' in out  # it states its assumptions

@@ -141,7 +141,7 @@ CARDS: Dict[str, Card] = {c.name: c for c in (
     Card('a100-40gb', 'NVIDIA A100 40GB', _gib(39.50), _ISSUE.format('TianheWu/CoSeR', 10), (8, 0),
          aliases=('a100-40g', 'a100-sxm4-40gb')),
     Card('a100-80gb', 'NVIDIA A100 80GB', _gib(79.25), _ISSUE.format('HiDream-ai/VAREdit', 6), (8, 0),
-         aliases=('a100', 'a100-80g', 'a100-sxm4-80gb')),
+         aliases=('a100-80g', 'a100-sxm4-80gb')),
     Card('h100-80gb', 'NVIDIA H100 80GB HBM3', _gib(79.11), _ISSUE.format('vllm-project/vllm', 27508), (9, 0),
          aliases=('h100', 'h100-sxm')),
     Card('h200', 'NVIDIA H200', _gib(139.86), 'https://thundergolfer.com/blog/nvidia-gpu-memory-capacity', (9, 0),

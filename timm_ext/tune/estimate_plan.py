@@ -2,9 +2,10 @@
 
 No real trial runs and the device need not be here: `--device cuda --gpu h100-80gb` plans a run on that card from a
 laptop (`timm_ext.memory_model.cards`: its memory as CUDA reports it less the CUDA context, its compute capability).
-A budget (`--mem-budget`) is what the caching allocator may use, as the probe's cap is. For each budget the largest micro-batch the estimate (`timm_ext.memory_model.estimate`) puts under budget x (1 - headroom)
-is planned as the probe's would be (`timm_ext.tune.plan.plan_run`): the recipe's global batch kept at its split, or
-with `--select max` the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulates is held to the
+A budget (`--mem-budget`) is what the caching allocator may use, as the probe's cap is. For each budget the largest
+micro-batch the estimate (`timm_ext.memory_model.estimate`) puts under budget x (1 - headroom) is planned as the
+probe's would be (`timm_ext.tune.plan.plan_run`): the recipe's global batch kept at its split, or with `--select max`
+the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulates is held to the
 peak of a micro-batch after a window's first, which starts with the gradients resident. train.py's evaluation between
 epochs is estimated too (forward only, the optimizer state resident): its largest batch within the same limit, up to
 `EVAL_MAX_FACTOR` micro-batches, becomes `validation_batch_size`. Several budgets give a "what fits where" table; the
@@ -171,7 +172,8 @@ def _budget_lines(estimate: MemoryEstimate, plans: List[EstimatedPlan]) -> List[
             how = (f'{fraction:.0%} of what {card.name} leaves the caching allocator ({format_bytes(p.budget)} as CUDA '
                    f'reports it, less {format_bytes(card.context_bytes)} of CUDA context)')
         elif card is not None:
-            how = f'what the caching allocator may use, of the {format_bytes(card.allocator_bytes)} {card.name} leaves it'
+            how = (f'what the caching allocator may use, of the {format_bytes(card.allocator_bytes)} {card.name} '
+                   f'leaves it')
         elif fraction is not None:
             how = f'{fraction:.0%} of what the device here can still give the caching allocator'
         else:

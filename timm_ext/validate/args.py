@@ -170,7 +170,8 @@ def _add_extension_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group(EXTENSIONS_GROUP, 'Flags stock validate.py does not have.')
     group.add_argument('--mem-budget', default=None, metavar='SIZE',
                        help="memory the forward may use, for the estimate: what the caching allocator may use, as a "
-                            "size ('22GiB') or a fraction of the device (default: all the device here, or all of --gpu)")
+                            "size ('22GiB') or a fraction of the device (default: all of the device here, or of "
+                            "--gpu)")
     group.add_argument('--gpu', default=None, metavar='NAME',
                        help='with --estimate: plan for this card (' + ', '.join(CARDS) + '): its memory as CUDA '
                             'reports it less the CUDA context, and its compute capability')

@@ -47,8 +47,8 @@ class EvalBatchEstimate:
         card = self.estimate.device.card
         read = ''  # how a named card's budget was read
         if card is not None and self.budget == card.reported_bytes:
-            read = (f' ({format_bytes(self.budget)} as CUDA reports it, less {format_bytes(card.context_bytes)} of CUDA '
-                    f'context)')
+            read = (f' ({format_bytes(self.budget)} as CUDA reports it, less {format_bytes(card.context_bytes)} of '
+                    f'CUDA context)')
         elif card is not None:
             read = f' (the caching allocator\'s, of the {format_bytes(card.allocator_bytes)} {card.name} leaves it)'
         return [f'Estimate (no real forward ran): {self.estimate.describe}, traced on fake tensors in '
