@@ -151,3 +151,12 @@ def test_the_plan_says_how_each_budget_is_read(card, budget, said):
     line, = _budget_lines(estimate, [plan])
     assert line.startswith(said), line
 
+
+
+@pytest.mark.parametrize('text, needle', [('', 'without --mem-budget, all of a GPU'), ('0.5', '--mem-budget 0.5')])
+def test_all_or_part_of_a_gpu_that_is_neither_here_nor_named_asks_for_the_card(monkeypatch, text, needle):
+    import torch
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    with pytest.raises(BudgetError) as raised:
+        device_model('cuda').plan_in(MemoryBudget(fraction=float(text or 1.0)), text)
+    assert str(raised.value).startswith(needle) and '--gpu' in str(raised.value)

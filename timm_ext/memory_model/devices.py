@@ -86,7 +86,8 @@ class DeviceModel:
         return self.card.compute_capability if self.card else None
 
     def plan_in(self, budget: MemoryBudget, text: str) -> Tuple[int, int]:
-        """(the bytes the budget names, what the caching allocator may use of them) for a budget as written (`text`).
+        """(the bytes the budget names, what the caching allocator may use of them) for a budget as written (`text`;
+        empty: none was given, all of the device).
 
         A size is the allocator's, as the probe's cap is; on a named card (`Card.plan_in`) it may not pass what the
         card leaves the allocator, and a fraction is of that. Without a card a fraction is of what the device here can
@@ -102,8 +103,9 @@ class DeviceModel:
             return budget.num_bytes, budget.num_bytes
         device = torch.device('cuda' if self.name == 'cuda' else 'cpu')
         if device.type == 'cuda' and not torch.cuda.is_available():
-            raise BudgetError(f"--mem-budget {text}: a fraction of a GPU needs the GPU; name the card (--gpu, e.g. "
-                              f"h100-80gb) or give what the caching allocator may use as a size, e.g. '70GiB'")
+            asked = f'--mem-budget {text}: a fraction of a GPU' if text else 'without --mem-budget, all of a GPU'
+            raise BudgetError(f"{asked} needs the GPU here; name the card (--gpu, e.g. h100-80gb) or give what the "
+                              f"caching allocator may use as a size, e.g. --mem-budget 70GiB")
         num_bytes = budget.resolve(device)
         return num_bytes, num_bytes
 

@@ -243,7 +243,7 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     budgets = _budgets(args)
     card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
     for text, budget in budgets:  # one that cannot be read here, or that the card cannot give, fails before the trace
-        device_model(device_type, card=card).plan_in(budget, text)
+        device_model(device_type, card=card).plan_in(budget, text if args.mem_budget else '')
     if args.mem_headroom is None:
         args.mem_headroom = default_headroom(torch.device(device_type))
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,

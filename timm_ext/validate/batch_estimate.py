@@ -94,7 +94,7 @@ def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: 
     budget = parse_budget(budget_text) if budget_text else None
     # before the trace: a budget that cannot be read here, or that the card cannot give, fails at once
     num_bytes, usable = device_model(device_type, card=card).plan_in(budget or MemoryBudget(fraction=1.0),
-                                                                      budget_text or '1.0')
+                                                                      budget_text or '')
     estimate = estimate_memory(_estimate_args(args, model_name), device_type, onednn_runs(device_type),
                                TRACE_BATCHES, step_kind='validate')
     largest = estimate.largest_batch(usable * (1 - EVAL_HEADROOM))
