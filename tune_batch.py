@@ -47,6 +47,7 @@ from timm_ext.distributed import DeviceError, check_device, end_process_group, i
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom, trains_on_steady_heap
+from timm_ext.memory_model.cards import CARDS, card_flag_problem
 from timm_ext.memory_model.estimate import EstimateError
 from timm_ext.child_process import die_with_parent
 from timm_ext.probe.selection import SELECT_MODES
@@ -85,7 +86,12 @@ def build_tune_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group(TUNE_GROUP, 'How the batch is probed and the run planned.')
     group.add_argument('--mem-budget', default=None, metavar='SIZE',
                        help="memory the run may use: a size ('12GiB', '500MB') or a fraction of the device ('0.8'); "
-                            "on CPU, memory above what the process holds when probing starts (default: all)")
+                            "on CUDA what the caching allocator may use (the CUDA context is outside it), on CPU "
+                            "memory above what the process holds when probing starts (default: all)")
+    group.add_argument('--gpu', default=None, metavar='NAME',
+                       help='with --estimate: plan for this card (' + ', '.join(CARDS) + '): its memory as CUDA '
+                            'reports it less the CUDA context, and its compute capability; --mem-budget then may '
+                            'not pass what the card leaves the caching allocator')
     group.add_argument('--mem-headroom', type=float, default=None, metavar='FRAC',
                        help='fraction of the budget the chosen batch leaves free, judged on measured peak memory '
                             '(default: 0.05 on CPU, where peaks are the same in every process; 0.1 on CUDA)')
@@ -143,6 +149,9 @@ def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.mem_budget and ',' in args.mem_budget and not args.estimate:
         parser.error('argument --mem-budget: several budgets are for --estimate; give one, or add --estimate')
     problem = snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
+    if problem:
+        parser.error(problem)
+    problem = card_flag_problem(args.gpu, args.device, args.estimate)
     if problem:
         parser.error(problem)
     if args.nnodes != 1 and not args.estimate:

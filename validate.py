@@ -70,9 +70,10 @@ def plan_from_estimate(args, argv) -> int:
         planned = estimate_eval_batch(args, args.model, device_type, args.mem_budget)
     except TimmExtError as e:
         return fail(str(e), getattr(e, 'exit_status', 1))
-    print('\n'.join(planned.lines(args.mem_budget or f'the {device_type} device')))
+    budget_text = args.mem_budget or args.gpu or f'the {device_type} device'
+    print('\n'.join(planned.lines(budget_text)))
     if planned.batch_size < 1:
-        return fail(f'{args.model} is predicted not to fit {args.mem_budget} even at batch size 1')
+        return fail(f'{args.model} is predicted not to fit {budget_text} even at batch size 1')
     batch = default_grid(device_type, None).snap(planned.batch_size)  # a multiple of 8 on CUDA, for tensor cores
     if args.memory_snapshot and planned.estimate.replay is not None:
         try:
@@ -83,7 +84,7 @@ def plan_from_estimate(args, argv) -> int:
                         f'path')
     kept, skip = [], False
     for token in sys.argv[1:] if argv is None else argv:  # the same command, less the planning flags, at the batch
-        valued = ('--mem-budget', '-b', '--batch-size', '--memory-snapshot')
+        valued = ('--mem-budget', '--gpu', '-b', '--batch-size', '--memory-snapshot')
         if skip or token in ('--estimate', *valued) or token.startswith(tuple(f'{f}=' for f in valued if f[1] == '-')):
             skip = token in valued
             continue

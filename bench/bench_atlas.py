@@ -1,4 +1,4 @@
-"""What fits where: the largest training micro-batch and eval batch of timm's most used models on six card sizes.
+"""What fits where: the largest training micro-batch and eval batch of timm's most used models on six named cards.
 
     python bench/bench_atlas.py               # writes docs/what-fits.md and docs/what-fits.csv (traces cached)
     python bench/bench_atlas.py --models resnet50,vit_base_patch16_224
@@ -6,8 +6,9 @@
 
 Every figure is `tune_batch.py --estimate`'s CUDA estimate for train.py's own step at the model's default resolution:
 AMP (float16 and bfloat16), SGD (momentum 0.9) or AdamW, train.py's defaults otherwise (prefetcher, label smoothing),
-one process, no headroom; the eval batch is validate.py's forward (float16). A card is read by its nominal size as
-tune_batch.py reads it (`timm_ext.memory_model.devices.card_memory`). A row is marked where one of timm's published
+one process, no headroom; the eval batch is validate.py's forward (float16). Each card is tune_batch.py's `--gpu NAME`
+(`timm_ext.memory_model.cards`): its memory as CUDA reports it less the CUDA context, its compute capability. A row is
+marked where one of timm's published
 tables confirms the CUDA model for that model (`bench/bench_gpu_tables.py`: the estimate inside the table's rung).
 """
 import argparse
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 CACHE = os.path.join(ROOT, 'bench', 'results', 'atlas_traces.json')
 DOC = os.path.join(ROOT, 'docs', 'what-fits.md')
 TABLE = os.path.join(ROOT, 'docs', 'what-fits.csv')
-CARDS_GB = (16, 24, 40, 48, 80, 141)
+ATLAS_CARDS = ('t4', 'rtx4090', 'a100-40gb', 'l40s', 'h100-80gb', 'h200')  # 16, 24, 40, 48, 80 and 141 GB
 MODELS = (
     'resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'resnet50d', 'resnet101d', 'resnext50_32x4d',
     'seresnext50_32x4d', 'wide_resnet50_2', 'efficientnet_b0', 'efficientnet_b3', 'tf_efficientnetv2_s',
@@ -48,7 +49,6 @@ OPTIONAL = {'fp16 adamw ckpt'}  # a row only where the step traces with it
 # bfloat16 holds what float16 holds in the CUDA model (the same casts, two bytes an element, the same kernel limits),
 # so its rows come from the float16 trace; tests/test_atlas.py traces one in bfloat16 to check it
 TRACED_AS = {'bf16 sgd': 'fp16 sgd', 'bf16 adamw': 'fp16 adamw'}
-GiB = 1 << 30
 
 
 def trace(model: str, config: str) -> dict:
@@ -65,14 +65,15 @@ def trace(model: str, config: str) -> dict:
     return e.to_json()
 
 
-def largest(entry: dict, card_gb: int, config: str) -> Optional[int]:
-    """The largest batch of a traced `config` on a card sold as `card_gb` GB (None: not traced)."""
-    from timm_ext.memory_model.devices import card_memory, device_model
+def largest(entry: dict, card_name: str, config: str) -> Optional[int]:
+    """The largest batch of a traced `config` on the named card, all of it (None: not traced)."""
+    from timm_ext.memory_model.cards import CARDS
+    from timm_ext.memory_model.devices import device_model
     from timm_ext.memory_model.estimate import MemoryEstimate
     if 'error' in entry:
         return None
-    e = MemoryEstimate.from_json(entry, device_model('cuda'))
-    return e.largest_batch(e.device.usable(card_memory(card_gb * GiB)))
+    card = CARDS[card_name]
+    return MemoryEstimate.from_json(entry, device_model('cuda', card=card)).largest_batch(card.allocator_bytes)
 
 
 def confirmations() -> Dict[tuple, str]:
@@ -126,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             size = entry.get('describe', '').split(' at input ')[-1].split(',')[0]
             kind = 'train' if CONFIGS[config][0] == 'train' else 'infer'
             rows.append(dict(model=model, input=size, config=config,
-                             **{f'{gb}GB': largest(entry, gb, config) for gb in CARDS_GB},
+                             **{name: largest(entry, name, config) for name in ATLAS_CARDS},
                              # the published tables ran no checkpointing: they confirm the other steps only
                              confirmed_by='' if config in OPTIONAL else confirmed.get((model, kind), '')))
     with open(TABLE, 'w', newline='') as f:
@@ -147,17 +148,18 @@ def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[Lis
             else f'The {", ".join(only)} rows took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run '
                  f'{run_s:.0f} s); the others are kept from the run before.')
     head = ['# What fits where', '', '<!-- flags: tune_batch.py validate.py bench/bench_atlas.py -->', '```bash',
-            'python tune_batch.py --model resnet50 --amp --device cuda --mem-budget 24GiB,80GiB --estimate  # your own',
-            'python validate.py --model resnet50 --amp --device cuda --mem-budget 80GiB --estimate     # eval batch',
+            'python tune_batch.py --model resnet50 --amp --device cuda --gpu h100-80gb --estimate  # your own',
+            'python validate.py --model resnet50 --amp --device cuda --gpu h100-80gb --estimate   # eval batch',
             'python bench/bench_atlas.py                                  # regenerate this page and what-fits.csv',
             '```', '',
-            'The largest batch of timm\'s most used models on six card sizes, before you rent one: the training '
+            'The largest batch of timm\'s most used models on six cards, before you rent one: the training '
             'micro-batch of train.py\'s own step (AMP float16 or bfloat16, SGD with momentum or AdamW, one process, '
             'train.py\'s defaults, no headroom) and validate.py\'s eval batch (float16), at each model\'s default '
             'resolution. bfloat16 holds what float16 holds in this model (the same casts, two bytes an element), '
             'so its rows repeat float16\'s. `-` : not even batch 1 fits. Each figure is the CUDA memory estimate of '
-            '`tune_batch.py --estimate` (no GPU ran it); a card is read by its nominal size, as CUDA reports it, '
-            'less the context. Where the model\'s figure is held by a kernel limit, not memory (a depthwise '
+            '`tune_batch.py --estimate --gpu NAME` (no GPU ran it): the card\'s memory as CUDA reports it, less the '
+            'CUDA context ([docs/gpu.md](gpu.md#named-cards) lists each card\'s figures and sources). Where the '
+            'model\'s figure is held by a kernel limit, not memory (a depthwise '
             'convolution reaching 2**31 elements, attention reaching 65535 windows), bigger cards do not raise it. '
             '`fp16 adamw ckpt` is `fp16 adamw` with `--grad-checkpointing` (activations recomputed in the backward '
             'pass; the savers table of `tune_batch.py --estimate` prices its extra compute), for the models whose '
@@ -169,11 +171,11 @@ def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[Lis
             'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
             '[docs/gpu.md](gpu.md)). Unmarked rows are predictions only.', '',
             f'{took} The same rows as CSV: [what-fits.csv](what-fits.csv).', '',
-            '| model | input | step | ' + ' | '.join(f'{gb} GB' for gb in CARDS_GB) + ' | confirmed by |',
-            '|---|---|---|' + '---:|' * len(CARDS_GB) + '---|']
+            '| model | input | step | ' + ' | '.join(ATLAS_CARDS) + ' | confirmed by |',
+            '|---|---|---|' + '---:|' * len(ATLAS_CARDS) + '---|']
     body = []
     for r in rows:
-        cells = ' | '.join('-' if not r[f'{gb}GB'] else str(r[f'{gb}GB']) for gb in CARDS_GB)
+        cells = ' | '.join('-' if not r[name] else str(r[name]) for name in ATLAS_CARDS)
         body.append(f"| {r['model']} | {r['input']} | {r['config']} | {cells} | {r['confirmed_by']} |")
     return '\n'.join(head + body) + '\n'
 

@@ -13,19 +13,18 @@ Each table's software is modelled as timm ran it:
 * train, RTX 3090 (torch 1.12, CUDA 11.3): AMP float16, SGD (momentum 0.9, nesterov), CrossEntropyLoss;
   `zero_grad()` kept the gradients allocated (torch 1.12's default), so every update runs with them resident; timm's
   ViTs had no fused attention then; CUDA 11.3 loads every kernel module at start (no lazy loading), so the context
-  outside the allocator is larger (`EAGER_CONTEXT_BYTES`).
+  outside the allocator is larger (`timm_ext.memory_model.cards.CONTEXTS`, 'cuda11 eager loading').
 * infer, RTX 5090 and RTX Pro 6000 Max-Q (torch 2.9.1, CUDA 13.0): AMP float16, `inference_mode`, a forward with the
   weights alone resident (validate.py's estimate), fused attention, the context of today's lazy loading.
 
-The cards' memory is what CUDA reports for them (public specifications and deviceQuery listings): RTX 3090 23.70
-GiB, RTX 5090 31.36 GiB, RTX Pro 6000 Max-Q 95.0 GiB (96 GB GDDR7; assumed at the share the other two show).
+The cards are tune_batch.py's named cards (`timm_ext.memory_model.cards`: rtx3090, rtx5090, rtx-pro-6000-max-q):
+their memory as CUDA reports it and their compute capability, each with its source.
 Traces are cached in bench/results/ by model, size and step; `--fresh` traces again, `--shard 0/2` and `--shard 1/2`
 in two processes trace half each. Nothing is fitted here: the report says how each constant of the CUDA model was
 set.
 """
 import argparse
 import csv
-import dataclasses
 import json
 import os
 import re
@@ -37,19 +36,22 @@ from typing import Dict, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
+from timm_ext.memory_model.cards import CARDS, CONTEXTS  # noqa: E402
 
 DATA = os.path.join(ROOT, 'bench', 'gpu_tables.csv')
 CACHE_DIR = os.path.join(ROOT, 'bench', 'results')
 CACHE_NAME = 'gpu_tables_traces'  # one JSON file a shard: <name>.<i>of<n>.json
-GiB = 1 << 30
-MiB = 1 << 20
-TABLES = {  # source file -> (kind, start batch, card, the memory CUDA reports for it, its compute capability)
-    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': ('train', 512, 'RTX 3090 24 GB', int(23.70 * GiB), (8, 6)),
-    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': ('infer', 1024, 'RTX 5090 32 GB', int(31.36 * GiB), (12, 0)),
+TABLE_CARDS = {  # source file -> (kind, start batch, card, its name in timm_ext.memory_model.cards)
+    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': ('train', 512, 'RTX 3090 24 GB', 'rtx3090'),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': ('infer', 1024, 'RTX 5090 32 GB', 'rtx5090'),
     'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': ('infer', 2048, 'RTX Pro 6000 Max-Q 96 GB',
-                                                             int(95.0 * GiB), (12, 0)),
+                                                             'rtx-pro-6000-max-q'),
 }
-EAGER_CONTEXT_BYTES = 1280 * MiB  # CUDA 11.3 without lazy loading: every kernel module of torch loaded at start
+# source file -> (kind, start batch, card, the memory CUDA reports for it, its compute capability)
+TABLES = {source: (kind, start, card, CARDS[name].reported_bytes, CARDS[name].compute_capability)
+          for source, (kind, start, card, name) in TABLE_CARDS.items()}
+CONTEXT_BYTES = {'train': CONTEXTS['cuda11 eager loading'].nbytes,  # CUDA 11.3: every module loaded at start
+                 'infer': CONTEXTS['cuda12 lazy loading'].nbytes}  # CUDA 13.0: lazy loading
 TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
 INFER_FLAGS = ('--amp', '--no-prefetcher')
 ROWS_PER_FAMILY = {'train': 1, 'infer': 2}  # training traces cost four updates each
@@ -154,10 +156,7 @@ def to_estimate(entry: dict, kind: str, compute_capability: Tuple[int, int]):
     from timm_ext.memory_model.replay import ReplayConfig
     from timm_ext.memory_model.devices import device_model
     from timm_ext.memory_model.estimate import MemoryEstimate
-    device = device_model('cuda')
-    if kind == 'train':
-        device = dataclasses.replace(device, context_bytes=EAGER_CONTEXT_BYTES)
-    return MemoryEstimate.from_json(entry, device, ReplayConfig(compute_capability=compute_capability))
+    return MemoryEstimate.from_json(entry, device_model('cuda'), ReplayConfig(compute_capability=compute_capability))
 
 
 def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
@@ -169,7 +168,8 @@ def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
 def largest(estimate, source: str, headroom: float = 0.0) -> int:
     kind, card_bytes = TABLES[source][0], TABLES[source][3]
     # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
-    return estimate.largest_batch(estimate.device.usable(card_bytes) * (1 - headroom), accumulating=kind == 'train')
+    usable = card_bytes - CONTEXT_BYTES[kind]  # what the allocator had: the card less the CUDA context
+    return estimate.largest_batch(usable * (1 - headroom), accumulating=kind == 'train')
 
 
 def plan_headroom(kind: str) -> float:

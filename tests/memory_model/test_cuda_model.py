@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from timm_ext.memory import parse_budget
 from timm_ext.memory_model.autocast_casts import CudaAutocastCasts
-from timm_ext.memory_model.devices import CARD_REPORTED_SHARE, CUDA_CONTEXT_BYTES, card_memory, device_model
+from timm_ext.memory_model.devices import device_model
 from timm_ext.memory_model.estimate import MemoryEstimate, estimate_memory
 from timm_ext.memory_model.live_bytes import CATEGORIES, LiveBytes
 from timm_ext.tune.estimate_plan import plan_from_estimate
@@ -57,7 +57,7 @@ def test_the_cuda_estimate_of_a_layer_norm_model_counts_the_float32_casts():
 def _estimate(lines, grad_bytes: int = 0) -> MemoryEstimate:
     full = {name: (0.0, 0.0) for name in CATEGORIES}
     full.update(lines)
-    device = dataclasses.replace(device_model('cuda'), fixed={}, context_bytes=0)
+    device = dataclasses.replace(device_model('cuda'), fixed={})
     return MemoryEstimate(full, {}, device, 'synthetic', 0.0, grad_bytes)
 
 
@@ -81,12 +81,10 @@ def test_a_plan_that_accumulates_is_held_to_the_peak_with_gradients_resident():
     assert estimate.peak(plan.plan.micro_batch, accumulating=True) <= plan.usable
 
 
-def test_a_nominal_card_size_is_read_as_the_memory_cuda_reports_and_the_context_comes_off_once():
-    assert card_memory(24 * GiB) == card_memory(24 * 10 ** 9) == int(24 * GiB * CARD_REPORTED_SHARE)
-    assert card_memory(int(23.7 * GiB)) == int(23.7 * GiB)  # not a card's nominal size: as given
-    cuda = device_model('cuda')
-    num_bytes, usable = cuda.plan_in(parse_budget('80GiB'), '80GiB')
-    assert num_bytes == int(80 * GiB * CARD_REPORTED_SHARE) and usable == num_bytes - CUDA_CONTEXT_BYTES
+def test_a_size_without_a_named_card_is_the_allocators_own_whatever_its_value():
+    # one meaning of --mem-budget: no nominal card is guessed from '24GiB', and no context comes off it
+    for text in ('24GiB', '80GB', '23.7GiB'):
+        assert device_model('cuda').plan_in(parse_budget(text), text) == (parse_budget(text).num_bytes,) * 2
 
 
 def test_a_fraction_of_the_device_here_is_not_taken_off_the_context_twice(monkeypatch):

@@ -1,6 +1,5 @@
 """The CUDA answer of an estimate (`timm_ext.memory_model.predict`): one answer, the replay, and a step whose logs at
 two batch sizes do not line up read by tracing each batch the plan asks."""
-import dataclasses
 
 from timm_ext.memory_model.devices import device_model
 from timm_ext.memory_model.estimate import MemoryEstimate
@@ -45,7 +44,7 @@ def test_a_step_whose_logs_do_not_line_up_traces_each_batch_asked():
 def test_the_replay_is_the_answer_and_its_split_adds_up_to_it():
     replay = CudaReplay(dict(traced={'4': _step(4), '8': _step(8)}))
     lines = {name: (0.0, 0.0) for name in CATEGORIES}
-    device = dataclasses.replace(device_model('cuda'), context_bytes=0)
+    device = device_model('cuda')
     estimate = MemoryEstimate(lines, {4: {}, 8: {}}, device, 'synthetic', 0.0, replay=replay)
     split = estimate.categories(8)
     assert estimate.peak(8) == replay.least_memory(8) == sum(split.values())

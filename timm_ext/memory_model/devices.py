@@ -18,9 +18,9 @@ estimate):
   which are not modelled.
 * CUDA: the step's ordered event log is replayed on PyTorch's caching allocator with CUDA's own kernels
   (`timm_ext.memory_model`): the answer is the least memory at which the step runs, segments and cuBLAS / cuDNN
-  workspaces included. The CUDA context (`CUDA_CONTEXT_BYTES`) lies outside the allocator. A budget given as a card's
-  nominal size ('24GiB', '80GB') is read as that card: CUDA reports `CARD_REPORTED_SHARE` of it as total memory (an
-  RTX 3090 sold as 24 GB shows 23.7 GiB), and the context comes off that. AMP is traced under CPU autocast with CUDA
+  workspaces included. A budget is what the caching allocator may use. A card named with `--gpu`
+  (`timm_ext.memory_model.cards`) gives the whole card's: its memory as CUDA reports it less the CUDA context outside
+  the allocator, and its compute capability reaches the replay. AMP is traced under CPU autocast with CUDA
   autocast's float32 casts replayed (`timm_ext.memory_model.autocast_casts`). Under gradient accumulation every micro-batch
   after the first runs with the gradients resident (`MemoryEstimate.peak(..., accumulating=True)`). docs/gpu.md
   compares it with timm's published GPU tables; a GPU check is `bench/gpu_check.sh`.
@@ -31,21 +31,15 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..memory import BudgetError, MemoryBudget
+from .cards import Card
 
-__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'card_memory', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
-           'CUDA_CONTEXT_BYTES', 'CARD_REPORTED_SHARE', 'MODELLED_DEVICE_TYPES']
+__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
+           'MODELLED_DEVICE_TYPES']
 
 MiB = 1 << 20
 CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyond its tensors, doubled
 # how far below a real CPU trial's measured peak an estimate may fall (the fit's spread, with a margin)
 CPU_ESTIMATE_MARGIN = 0.15
-GiB = 1 << 30
-CUDA_CONTEXT_BYTES = 1024 * MiB  # outside the allocator: the context with cuBLAS / cuDNN (lazy loading, CUDA 12-13)
-# what CUDA reports as total memory of a card sold as N GB: 0.9875 on an RTX 3090, 0.980 on an RTX 5090, 0.99 on
-# A100 / H100 / H200 (the cards' public specifications against `total_memory`); ECC-on GDDR cards (T4, A10, L4) lose
-# 6% more, which a nominal size cannot tell: give such a card's budget as the size CUDA shows
-CARD_REPORTED_SHARE = 0.985
-NOMINAL_CARD_GB = (4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 180, 192, 288)
 
 MODELLED_DEVICE_TYPES = ('cpu', 'cuda')  # the device types `device_model` has a model for
 
@@ -60,12 +54,13 @@ class DeviceModel:
 
     Attributes:
         name: The device as the report names it.
-        allocated: Bytes the allocator hands out for n bytes made by an op, given (op or None, its args, n).
+        allocated: Bytes the allocator hands out for n bytes made by an op, given (op or None, its args, n); n on
+            CUDA, whose caching allocator the replay runs (`timm_ext.memory_model.allocator`, the one model of it).
         workspace: Bytes an op allocates for itself while it runs, given (op, args, its result); None: none.
         kept: Bytes a library keeps from an op on (the largest ask stays), given (op, args, its result); None: none.
         fixed: Categories the device adds whatever the batch, name -> bytes.
         uncounted: Categories the budget does not count (CPU: the weights, built before the cap is set).
-        context_bytes: Memory outside the allocator taken off an absolute budget.
+        card: CUDA: the card planned for (`--gpu`), None when none is named.
         assumptions: One line on what this model assumes (the report's and the YAML's header).
     """
     name: str
@@ -74,7 +69,7 @@ class DeviceModel:
     kept: Optional[Callable[[object, tuple, object], int]] = None
     fixed: Dict[str, int] = field(default_factory=dict)
     uncounted: Tuple[str, ...] = ()
-    context_bytes: int = 0
+    card: Optional[Card] = None
     assumptions: str = ''
 
     def on_device(self, split: Dict[str, float]) -> Dict[str, float]:
@@ -85,37 +80,34 @@ class DeviceModel:
         """The bytes of `split` the budget counts."""
         return sum(v for k, v in split.items() if k not in self.uncounted)
 
-    def usable(self, budget: int) -> int:
-        """What an absolute budget leaves the allocator (the card's memory, less what lies outside it)."""
-        return max(0, budget - self.context_bytes)
+    @property
+    def compute_capability(self) -> Optional[Tuple[int, int]]:
+        """The planned card's compute capability (None: not known)."""
+        return self.card.compute_capability if self.card else None
 
     def plan_in(self, budget: MemoryBudget, text: str) -> Tuple[int, int]:
-        """(the budget's bytes, what the allocator may use of them) for a budget as written (`text`).
+        """(the bytes the budget names, what the caching allocator may use of them) for a budget as written (`text`;
+        empty: none was given, all of the device).
 
-        A size is the planned machine's (on CUDA a card's nominal size is read as that card, `card_memory`), and the
-        context comes off it; a fraction is of what the device here can still give, the context already out of it.
+        A size is the allocator's, as the probe's cap is; on a named card (`Card.plan_in`) it may not pass what the
+        card leaves the allocator, and a fraction is of that. Without a card a fraction is of what the device here can
+        still give (the CUDA context already out of it).
 
         Raises:
-            BudgetError: A fraction of a CUDA device that is not here.
+            BudgetError: A size larger than the named card leaves the allocator, or a fraction of a CUDA device that
+                is neither here nor named.
         """
+        if self.card is not None:
+            return self.card.plan_in(budget, text)
         if budget.fraction is None:
-            num_bytes = card_memory(budget.num_bytes) if self.context_bytes else budget.num_bytes
-            return num_bytes, self.usable(num_bytes)
+            return budget.num_bytes, budget.num_bytes
         device = torch.device('cuda' if self.name == 'cuda' else 'cpu')
         if device.type == 'cuda' and not torch.cuda.is_available():
-            raise BudgetError(f"--mem-budget {text}: a fraction of a GPU needs the GPU; give the card's memory as a "
-                              f"size, e.g. '80GiB'")
+            asked = f'--mem-budget {text}: a fraction of a GPU' if text else 'without --mem-budget, all of a GPU'
+            raise BudgetError(f"{asked} needs the GPU here; name the card (--gpu, e.g. h100-80gb) or give what the "
+                              f"caching allocator may use as a size, e.g. --mem-budget 70GiB")
         num_bytes = budget.resolve(device)
         return num_bytes, num_bytes
-
-
-def card_memory(num_bytes: int) -> int:
-    """The memory CUDA reports for a budget of `num_bytes`: a card's nominal size (24 GiB or 24 GB, say) is read as
-    that card, whose reported total is `CARD_REPORTED_SHARE` of it; any other size is taken as given."""
-    for gb in NOMINAL_CARD_GB:
-        if num_bytes in (gb * GiB, gb * 10 ** 9):
-            return int(gb * GiB * CARD_REPORTED_SHARE)
-    return num_bytes
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -148,14 +140,6 @@ def nnpack_kept(func, args: tuple, out) -> int:
     return 64 * input.element_size() * tiles
 
 
-def caching_allocator_bytes(func, args: tuple, n: int) -> int:
-    """The block CUDA's caching allocator hands out for a request of `n` bytes (its segments' tails apart)."""
-    block = max(512, -(-n // 512) * 512)
-    if block > 10 * MiB:
-        block = -(-block // (2 * MiB)) * (2 * MiB)
-    return block
-
-
 def _groups(func, args: tuple) -> Optional[int]:
     """A convolution op's groups (None for other ops)."""
     if func is torch.ops.aten.convolution.default:
@@ -178,15 +162,16 @@ def onednn_runs(device_type: str) -> bool:
     return device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
-def device_model(device_type: str, onednn: bool = False) -> DeviceModel:
-    """The model for 'cpu' (oneDNN on or off) or 'cuda'."""
+def device_model(device_type: str, onednn: bool = False, card: Optional[Card] = None) -> DeviceModel:
+    """The model for 'cpu' (oneDNN on or off) or 'cuda' (on `card` when one is named)."""
     if device_type == 'cuda':
+        planned = (card.assumptions() if card else 'no card named: the budget is what the caching allocator may use '
+                   '(no CUDA context taken off), compute capability unknown (the larger cuBLAS workspace)')
         return DeviceModel(
-            'cuda', caching_allocator_bytes, context_bytes=CUDA_CONTEXT_BYTES,
+            'cuda', card=card,
             assumptions=(f'the step replayed on CUDA\'s caching allocator (PyTorch 2.14\'s rules) with cuBLAS / cuDNN '
-                         f'workspaces, layer_norm copies and flash attention\'s accumulators, CUDA context '
-                         f'{CUDA_CONTEXT_BYTES // MiB} MiB, a nominal card size read as {CARD_REPORTED_SHARE:.1%} of '
-                         f'it, CUDA autocast\'s float32 casts, kernel launch limits; not yet measured on a GPU'))
+                         f'workspaces, layer_norm copies and flash attention\'s accumulators, CUDA autocast\'s float32 '
+                         f'casts, kernel launch limits; {planned}; not yet measured on a GPU'))
     if device_type not in MODELLED_DEVICE_TYPES:
         raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers '
                          f'{" and ".join(MODELLED_DEVICE_TYPES)}')

@@ -29,6 +29,7 @@ from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
 from .autocast_casts import CudaAutocastCasts
+from .cards import find_card
 from .devices import DeviceModel, device_model
 from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
@@ -156,7 +157,9 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     """Trace train.py's update for `args` on fake tensors at `batches` (in a child process) and fit each category.
 
     Args:
-        args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified.
+        args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified. Its
+            `gpu`, where it has one (tune_batch.py's and validate.py's `--gpu`), names the card planned for
+            (`timm_ext.memory_model.cards.find_card`).
         device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.memory_model.devices.device_model`).
         onednn: CPU: whether oneDNN will run the convolutions.
         batches: The batch sizes traced (at least two).
@@ -166,7 +169,8 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
-    device = device_model(device_type, onednn)
+    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
+    device = device_model(device_type, onednn, card)
     estimate = MemoryEstimate.from_json(_traced(args, device_type, onednn, tuple(batches), step_kind), device)
     if estimate.replay is not None and not estimate.replay.aligned:  # each batch the plan asks is traced on its own
         estimate.replay.retrace = functools.partial(_step_log_at, args, device_type, onednn, step_kind)

@@ -11,7 +11,7 @@ from ..errors import TimmExtError
 from ..memory import format_bytes
 from .devices import DeviceModel
 from .kernel_limits import launch_limit
-from .predict import CudaReplay
+from .predict import CudaReplay, run_config
 from .replay import ReplayConfig
 
 __all__ = ['EstimateError', 'MemoryEstimate']
@@ -60,10 +60,10 @@ class MemoryEstimate:
     def from_json(cls, data: dict, device: DeviceModel,
                   replay_config: Optional[ReplayConfig] = None) -> 'MemoryEstimate':
         """The estimate `to_json` wrote, for `device`; its replay runs as `replay_config` says (default: as the
-        environment asks, `CudaReplay`)."""
+        environment asks, on the device's card, `run_config`)."""
         replay = None
         if data.get('log'):
-            replay = CudaReplay(data['log']) if replay_config is None else CudaReplay(data['log'], replay_config)
+            replay = CudaReplay(data['log'], replay_config or run_config(device.compute_capability))
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
                    data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0))

@@ -17,7 +17,13 @@ from .live_bytes import CATEGORIES
 # what a replayed block is filed under: the trace's categories of tensors, and the kernels' own workspaces
 STEP_CATEGORIES = (*CATEGORIES[:5], 'workspace')
 
-__all__ = ['CudaReplay', 'trace_logs']
+__all__ = ['CudaReplay', 'run_config', 'trace_logs']
+
+
+def run_config(compute_capability: Optional[Tuple[int, int]] = None) -> replays.ReplayConfig:
+    """How the user's run replays: the allocator options as the environment sets them
+    (`timm_ext.memory_model.allocator_config.allocator_config`), on a card of `compute_capability` (None: not known)."""
+    return replays.ReplayConfig(allocator=allocator_config(), compute_capability=compute_capability)
 
 
 @dataclass
@@ -27,12 +33,10 @@ class CudaReplay:
     Attributes:
         log: `ScaledLog.to_json()` of the step; where the logs of two batch sizes did not line up event by event,
             {'traced': {batch: step log}}: a batch not traced is traced on its own (`retrace`).
-        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); the allocator options as the
-            environment sets them when not given (`timm_ext.memory_model.allocator_config.allocator_config`).
+        config: The replay's settings (`timm_ext.memory_model.replay.ReplayConfig`); `run_config()` when not given.
     """
     log: dict
-    config: replays.ReplayConfig = field(
-        default_factory=lambda: replays.ReplayConfig(allocator=allocator_config()))
+    config: replays.ReplayConfig = field(default_factory=run_config)
     retrace: Optional[Callable[[int], dict]] = field(default=None, repr=False)  # the step log of a batch, traced
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)

@@ -1,9 +1,11 @@
 """tune_batch.py --estimate: the micro-batch, accumulation and LR from the memory estimate alone, on any machine.
 
-No real trial runs and the device need not be here: `--device cuda --mem-budget 80GiB` plans a CUDA run on a laptop.
-For each budget the largest micro-batch the estimate (`timm_ext.memory_model.estimate`) puts under budget x (1 - headroom)
-is planned as the probe's would be (`timm_ext.tune.plan.plan_run`): the recipe's global batch kept at its split, or
-with `--select max` the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulates is held to the
+No real trial runs and the device need not be here: `--device cuda --gpu h100-80gb` plans a run on that card from a
+laptop (`timm_ext.memory_model.cards`: its memory as CUDA reports it less the CUDA context, its compute capability).
+A budget (`--mem-budget`) is what the caching allocator may use, as the probe's cap is. For each budget the largest
+micro-batch the estimate (`timm_ext.memory_model.estimate`) puts under budget x (1 - headroom) is planned as the
+probe's would be (`timm_ext.tune.plan.plan_run`): the recipe's global batch kept at its split, or with `--select max`
+the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulates is held to the
 peak of a micro-batch after a window's first, which starts with the gradients resident. train.py's evaluation between
 epochs is estimated too (forward only, the optimizer state resident): its largest batch within the same limit, up to
 `EVAL_MAX_FACTOR` micro-batches, becomes `validation_batch_size`. Several budgets give a "what fits where" table; the
@@ -18,6 +20,7 @@ import torch
 from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
 from ..memory_model.allocator_config import allocator_config
+from ..memory_model.cards import find_card
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
@@ -40,9 +43,9 @@ class EstimatedPlan:
     """One budget's plan from the estimate.
 
     Attributes:
-        budget_text: The budget as given.
-        budget: Its bytes (on CUDA a card's memory as CUDA reports it).
-        usable: What the allocator may use of it (the CUDA context outside it taken off a card's memory).
+        budget_text: The budget as given (the card's name where `--gpu` alone gives it).
+        budget: The bytes it names: a size as given, or a named card's memory as CUDA reports it.
+        usable: What the caching allocator may use of it (a named card's CUDA context taken off).
         micro_batch: The largest micro-batch predicted within the headroom, on the grid (0: nothing fits).
         plan: The accumulation and LR plan (None when nothing fits).
         eval_batch: train.py's eval batch (`validation_batch_size`); None: train.py's default, the micro-batch.
@@ -84,6 +87,13 @@ def parse_budgets(text: str) -> List[Tuple[str, MemoryBudget]]:
         BudgetError: A budget is not a size or a fraction.
     """
     return [(part, parse_budget(part)) for part in (p.strip() for p in text.split(',')) if part]
+
+
+def _budgets(args: argparse.Namespace) -> List[Tuple[str, MemoryBudget]]:
+    """--mem-budget's budgets; without it, all of the named card (shown by its name) or of the device here."""
+    if args.mem_budget:
+        return parse_budgets(args.mem_budget)
+    return [(find_card(args.gpu).name if getattr(args, 'gpu', None) else '1.0', MemoryBudget(fraction=1.0))]
 
 
 def plan_from_estimate(args: argparse.Namespace, device_type: str, estimate: MemoryEstimate,
@@ -156,12 +166,26 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
 
 
 def _budget_lines(estimate: MemoryEstimate, plans: List[EstimatedPlan]) -> List[str]:
-    """How each budget is read: a card's nominal size as the memory CUDA reports for it, less the context."""
-    if not estimate.device.context_bytes:
+    """How each CUDA budget is read: what the caching allocator may use, of the named card or of the device here."""
+    if estimate.device.name != 'cuda':
         return []
-    return [f'Budget {p.budget_text}: {format_bytes(p.budget)} as CUDA reports it, '
-            + (f'less {format_bytes(p.budget - p.usable)} of context outside the allocator: ' if p.budget > p.usable
-               else 'the context already out of it: ') + f'{format_bytes(p.usable)} to plan in.' for p in plans]
+    card = estimate.device.card
+    lines = []
+    for p in plans:
+        fraction = 1.0 if card is not None and p.budget_text == card.name else parse_budget(p.budget_text).fraction
+        if card is not None and fraction is not None:
+            how = (f'{fraction:.0%} of what {card.name} leaves the caching allocator ({format_bytes(p.budget)} as CUDA '
+                   f'reports it, less {format_bytes(card.context_bytes)} of CUDA context)')
+        elif card is not None:
+            how = (f'what the caching allocator may use, of the {format_bytes(card.allocator_bytes)} {card.name} '
+                   f'leaves it')
+        elif fraction is not None:
+            how = f'{fraction:.0%} of what the device here can still give the caching allocator'
+        else:
+            how = ('what the caching allocator may use, no CUDA context taken off (--gpu NAME plans all of a named '
+                   'card)')
+        lines.append(f'Budget {p.budget_text}: {how}: {format_bytes(p.usable)} to plan in.')
+    return lines
 
 
 def _planner(args: argparse.Namespace, device_type: str, budget: Tuple[str, MemoryBudget], world_size: int,
@@ -216,13 +240,15 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     Raises:
         EstimateError: The step cannot be traced.
         NothingFitsError: Not even batch 1 fits the first budget by the estimate.
-        BudgetError: A budget cannot be read here (`parse_budgets`).
+        BudgetError: A budget cannot be read here (`parse_budgets`), or is more than the named card (`--gpu`) leaves
+            the caching allocator.
     """
     device_type = args.device.split(':', 1)[0]
     world_size = args.nproc * args.nnodes
-    budgets = parse_budgets(args.mem_budget or '1.0')
-    for text, budget in budgets:  # one that cannot be read here fails before the trace
-        device_model(device_type).plan_in(budget, text)
+    budgets = _budgets(args)
+    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
+    for text, budget in budgets:  # one that cannot be read here, or that the card cannot give, fails before the trace
+        device_model(device_type, card=card).plan_in(budget, text if args.mem_budget else '')
     if args.mem_headroom is None:
         args.mem_headroom = default_headroom(torch.device(device_type))
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,

@@ -16,6 +16,7 @@ from ..arg_checks import (
     COMMON_DOMAINS, NON_NEGATIVE_INT, POSITIVE_INT, Domain, Names, check_values, flag_names, split_problem,
     writable_file_problem,
 )
+from ..memory_model.cards import CARDS, card_flag_problem
 from ..memory_model.snapshot import add_snapshot_argument, snapshot_flag_problem
 from ..memory import BudgetError, parse_budget
 from ..train.args import EXTENSIONS_GROUP
@@ -168,8 +169,12 @@ def _add_extension_args(p: argparse.ArgumentParser) -> None:
     """Beyond stock: the batch from the memory estimate."""
     group = p.add_argument_group(EXTENSIONS_GROUP, 'Flags stock validate.py does not have.')
     group.add_argument('--mem-budget', default=None, metavar='SIZE',
-                       help="memory the forward may use, for the estimate: a size ('24GiB'; a card's nominal size "
-                            "is read as that card) or a fraction of the device (default: the device's memory)")
+                       help="memory the forward may use, for the estimate: what the caching allocator may use, as a "
+                            "size ('22GiB') or a fraction of the device (default: all of the device here, or of "
+                            "--gpu)")
+    group.add_argument('--gpu', default=None, metavar='NAME',
+                       help='with --estimate: plan for this card (' + ', '.join(CARDS) + '): its memory as CUDA '
+                            'reports it less the CUDA context, and its compute capability')
     group.add_argument('--estimate', action='store_true', default=False,
                        help='plan only: print the largest batch the memory estimate predicts within --mem-budget '
                             'and the command to run; needs no data, weights or device (--device cuda on any machine)')
@@ -203,7 +208,8 @@ def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, s
             parse_budget(args.mem_budget)
         except BudgetError as e:
             return f'argument --mem-budget: {e}'
-    problem = snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
+    problem = (snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
+               or card_flag_problem(args.gpu, args.device, args.estimate))
     if problem:
         return problem
     if args.estimate:  # a plan for another machine: its data need not be here

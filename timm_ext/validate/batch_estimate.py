@@ -5,18 +5,19 @@ alone resident, `inference_mode`, the run's AMP, dtype, layout and input size, t
 its predicted peak gives the largest batch within a budget. `--retry` then starts its pass at the largest size of
 validate's decay grid under that (when the asked `-b` is larger): an estimate that is a little high costs one step
 down of the pass, which continues from the first unfinished sample. `--estimate` prints the batch and the command
-without data, weights or the device, so `--device cuda --mem-budget 80GiB` plans an 80 GB card from a laptop.
+without data, weights or the device, so `--device cuda --gpu a100-80gb` plans that card from a laptop
+(`timm_ext.memory_model.cards`). A budget is what the caching allocator may use, as the probe's cap is.
 """
 import argparse
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
 from timm.data import resolve_data_config
 from timm.models import get_pretrained_cfg
 
 from ..batch_decay import decay_batch_step
-from ..memory import format_bytes, parse_budget, physical_memory
+from ..memory import MemoryBudget, format_bytes, parse_budget
+from ..memory_model.cards import find_card
 from ..memory_model.devices import device_model, onednn_runs
 from ..memory_model.estimate import MemoryEstimate, estimate_memory
 from ..train.args import parse_args as parse_train_args
@@ -33,8 +34,8 @@ class EvalBatchEstimate:
 
     Attributes:
         batch_size: The largest batch predicted within the budget less the headroom (0: not even 1).
-        budget: The budget in bytes (a CUDA card's memory as CUDA reports it).
-        usable: What the allocator may use of it.
+        budget: The bytes the budget names (a named card's memory as CUDA reports it, or a size as given).
+        usable: What the caching allocator may use of it.
         estimate: The traced estimate behind it.
     """
     batch_size: int
@@ -43,11 +44,18 @@ class EvalBatchEstimate:
     estimate: MemoryEstimate
 
     def lines(self, budget_text: str) -> List[str]:
-        usable = self.usable
+        card = self.estimate.device.card
+        read = ''  # how a named card's budget was read
+        if card is not None and self.budget == card.reported_bytes:
+            read = (f' ({format_bytes(self.budget)} as CUDA reports it, less {format_bytes(card.context_bytes)} of '
+                    f'CUDA context)')
+        elif card is not None:
+            read = f' (the caching allocator\'s, of the {format_bytes(card.allocator_bytes)} {card.name} leaves it)'
         return [f'Estimate (no real forward ran): {self.estimate.describe}, traced on fake tensors in '
                 f'{self.estimate.seconds:.1f} s; for {self.estimate.device.name}.',
                 f'Assumed: {self.estimate.device.assumptions}.',
-                f'Budget {budget_text}: {format_bytes(usable)} to plan in; headroom {EVAL_HEADROOM:.0%}: the largest '
+                f'Budget {budget_text}{read}: {format_bytes(self.usable)} to plan in; headroom {EVAL_HEADROOM:.0%}: '
+                f'the largest '
                 f'batch predicted is {self.batch_size} '
                 f'({format_bytes(self.estimate.peak(max(1, self.batch_size)))} at its peak).',
                 *([f'Replay: {self.estimate.replay_note}.'] if self.estimate.replay_note else [])]
@@ -68,28 +76,28 @@ def _estimate_args(args: argparse.Namespace, model_name: str) -> argparse.Namesp
         argv += ['--model-dtype', args.model_dtype]
     train_args, _ = parse_train_args(argv)
     train_args.model_kwargs = dict(args.model_kwargs)
+    train_args.gpu = getattr(args, 'gpu', None)  # the card planned for (`estimate_memory` reads it)
     train_args.distributed, train_args.world_size, train_args.rank, train_args.local_rank = False, 1, 0, 0
     return train_args
 
 
 def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: str,
                         budget_text: Optional[str] = None) -> EvalBatchEstimate:
-    """The largest batch validate.py's forward is predicted to run within `budget_text` (default: the device's
-    memory, which must then be here).
+    """The largest batch validate.py's forward is predicted to run within `budget_text`: what the caching allocator
+    may use (default: all of the card `args.gpu` names, or all the device here can still give).
 
     Raises:
         EstimateError: The forward cannot be traced.
-        BudgetError: The budget cannot be read, or is a fraction of a device that is not here.
+        BudgetError: The budget cannot be read, is a fraction of a device that is neither here nor named, or is more
+            than the named card leaves the caching allocator.
     """
+    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
     budget = parse_budget(budget_text) if budget_text else None
-    device = device_model(device_type)
-    if budget is not None:  # before the trace: a budget that cannot be read here fails at once
-        num_bytes, usable = device.plan_in(budget, budget_text)
+    # before the trace: a budget that cannot be read here, or that the card cannot give, fails at once
+    num_bytes, usable = device_model(device_type, card=card).plan_in(budget or MemoryBudget(fraction=1.0),
+                                                                      budget_text or '')
     estimate = estimate_memory(_estimate_args(args, model_name), device_type, onednn_runs(device_type),
                                TRACE_BATCHES, step_kind='validate')
-    if budget is None:  # the device here: its memory as CUDA reports it, less the context
-        num_bytes = physical_memory(torch.device(device_type))
-        usable = estimate.device.usable(num_bytes)
     largest = estimate.largest_batch(usable * (1 - EVAL_HEADROOM))
     return EvalBatchEstimate(largest, num_bytes, usable, estimate)
 

@@ -1,0 +1,191 @@
+"""Named cards: what a plan for a GPU that is not here needs to know about it, each figure with its source.
+
+`--gpu NAME` (tune_batch.py and validate.py with `--estimate`) names one of `CARDS`. Each entry gives:
+
+* the capacity as CUDA reports it (`torch.cuda.get_device_properties().total_memory`, the "total capacity" of
+  PyTorch's out-of-memory message, which reads `cudaMemGetInfo`), read from a published output of that card; it is a
+  little below nvidia-smi's total (the driver keeps some) and moves by a few tens of MiB between drivers. Where no
+  published figure was found it is derived from one that was, and `note` says how (an assumption the plan prints);
+* the compute capability, from NVIDIA's list (`COMPUTE_CAPABILITY_SOURCE`): cuBLAS's workspace and the attention
+  backends depend on it (`timm_ext.memory_model.kernels`);
+* the CUDA context outside the caching allocator (`CONTEXTS`): one figure per CUDA generation, each an assumption with
+  its source. The allocator may use the capacity less the context (`Card.allocator_bytes`).
+
+Names are lower case with hyphens; a few obvious aliases are accepted, case-insensitively (`find_card`).
+"""
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from ..errors import UsageError
+from ..memory import BudgetError, MemoryBudget, format_bytes
+
+__all__ = ['Card', 'CudaContext', 'CARDS', 'CONTEXTS', 'COMPUTE_CAPABILITY_SOURCE', 'find_card', 'card_flag_problem']
+
+MiB = 1 << 20
+GiB = 1 << 30
+COMPUTE_CAPABILITY_SOURCE = 'https://developer.nvidia.com/cuda-gpus'
+
+
+@dataclass(frozen=True)
+class CudaContext:
+    """Device memory a process holds outside the caching allocator once its step has run: the CUDA context with the
+    kernel modules of cuBLAS and cuDNN loaded.
+
+    Attributes:
+        name: The CUDA generation, as plans and docs name it.
+        nbytes: The bytes assumed.
+        source: The published measurement it starts from.
+        basis: What was measured there, and what is assumed on top of it.
+    """
+    name: str
+    nbytes: int
+    source: str
+    basis: str
+
+
+CONTEXTS: Dict[str, CudaContext] = {c.name: c for c in (
+    CudaContext('cuda12 lazy loading', 1024 * MiB, 'https://github.com/pytorch/pytorch/pull/86509',
+                'the bare context with lazy loading measured 274 MiB (287,047,680 B) there; the cuBLAS and cuDNN '
+                'kernel modules a step loads come on top, assumed to bring it to 1 GiB. Lazy loading is on by default '
+                'from CUDA 12.2 (https://docs.nvidia.com/cuda/cuda-programming-guide/04-special-topics/'
+                'lazy-loading.html), as in torch 2.14\'s CUDA 12 and 13 wheels'),
+    CudaContext('cuda11 eager loading', 1280 * MiB, 'https://github.com/pytorch/pytorch/pull/86509',
+                'the bare context with every module loaded at start measured 636 MiB (666,632,192 B) there; the '
+                'libraries\' modules on top, assumed to bring it to 1.25 GiB. CUDA 11.3 and older: timm\'s RTX 3090 '
+                'training table (bench/bench_gpu_tables.py); no product path uses it'),
+)}
+LAZY = 'cuda12 lazy loading'
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU as a plan for it needs it.
+
+    Attributes:
+        name: The `--gpu` name (lower case, hyphens).
+        title: The card as NVIDIA names it.
+        reported_bytes: Its memory as CUDA reports it (`total_memory`).
+        reported_source: Where that figure was read.
+        compute_capability: (major, minor), from `COMPUTE_CAPABILITY_SOURCE`.
+        context: The key of its `CONTEXTS` entry.
+        aliases: Other names accepted for it (lower case).
+        note: How `reported_bytes` was derived where no output of the card itself was found, or how it varies
+            between drivers (an assumption the plan prints; empty: none).
+    """
+    name: str
+    title: str
+    reported_bytes: int
+    reported_source: str
+    compute_capability: Tuple[int, int]
+    context: str = LAZY
+    aliases: Tuple[str, ...] = ()
+    note: str = ''
+
+    @property
+    def context_bytes(self) -> int:
+        return CONTEXTS[self.context].nbytes
+
+    @property
+    def allocator_bytes(self) -> int:
+        """What the caching allocator may use of the whole card: its reported memory less the context."""
+        return self.reported_bytes - self.context_bytes
+
+    def assumptions(self) -> str:
+        """The card's figures and their sources, for the plan's assumptions line."""
+        major, minor = self.compute_capability
+        reported = f'{format_bytes(self.reported_bytes)} as CUDA reports it ({self.reported_source}'
+        reported += f'; {self.note})' if self.note else ')'
+        return (f'card {self.name} ({self.title}): {reported}, compute capability {major}.{minor} '
+                f'({COMPUTE_CAPABILITY_SOURCE}), CUDA context {format_bytes(self.context_bytes)} outside the allocator '
+                f'(assumed for {self.context}, from {CONTEXTS[self.context].source})')
+
+    def plan_in(self, budget: MemoryBudget, text: str) -> Tuple[int, int]:
+        """(the bytes the budget names, what the allocator may use of them) on this card.
+
+        A size is the allocator's own; a fraction is of what the card leaves the allocator.
+
+        Raises:
+            BudgetError: A size larger than the card leaves the allocator.
+        """
+        if budget.fraction is not None:
+            return self.reported_bytes, int(self.allocator_bytes * budget.fraction)
+        if budget.num_bytes > self.allocator_bytes:
+            raise BudgetError(f'--mem-budget {text} is more than {self.name} leaves the caching allocator '
+                              f'({format_bytes(self.allocator_bytes)}: {format_bytes(self.reported_bytes)} less '
+                              f'{format_bytes(self.context_bytes)} of CUDA context); pass at most that, or drop '
+                              f'--mem-budget to plan the whole card')
+        return budget.num_bytes, budget.num_bytes
+
+
+def _gib(value: float) -> int:
+    """Bytes of a capacity published in GiB to two decimals (as PyTorch's out-of-memory message prints it)."""
+    return round(value * GiB)
+
+
+_ISSUE = 'https://github.com/{}/issues/{}'
+CARDS: Dict[str, Card] = {c.name: c for c in (
+    Card('t4', 'NVIDIA T4', _gib(14.56), _ISSUE.format('Zheng-Chong/CatVTON', 133), (7, 5), aliases=('tesla-t4',),
+         note='other drivers report up to 14.76 GiB (https://github.com/googlecolab/colabtools/issues/3439: 14.75); '
+                 'the smallest recent figure is kept'),
+    Card('l4', 'NVIDIA L4', _gib(22.03), _ISSUE.format('ArcInstitute/evo2', 190), (8, 9)),
+    Card('a10', 'NVIDIA A10', _gib(21.99), _ISSUE.format('zai-org/CogVLM', 236), (8, 6), aliases=('a10g',),
+         note='an A10G (AWS\'s A10, the same 24 GB GDDR6) read 22.49 GiB under a 2022 driver '
+              '(https://github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); the recent figure is kept'),
+    Card('rtx3090', 'GeForce RTX 3090', _gib(23.70), _ISSUE.format('GaoLii/DSP', 10), (8, 6),
+         aliases=('3090', 'rtx-3090')),
+    Card('rtx4090', 'GeForce RTX 4090', _gib(23.64), _ISSUE.format('TMElyralab/MuseTalk', 76), (8, 9),
+         aliases=('4090', 'rtx-4090')),
+    Card('rtx5090', 'GeForce RTX 5090', _gib(31.36), _ISSUE.format('TrajectoryCrafter/TrajectoryCrafter', 20), (12, 0),
+         aliases=('5090', 'rtx-5090')),
+    Card('l40s', 'NVIDIA L40S', _gib(44.42), _ISSUE.format('stepfun-ai/Step-Video-T2V', 8), (8, 9)),
+    Card('a100-40gb', 'NVIDIA A100 40GB', _gib(39.50), _ISSUE.format('TianheWu/CoSeR', 10), (8, 0),
+         aliases=('a100-40g', 'a100-sxm4-40gb')),
+    Card('a100-80gb', 'NVIDIA A100 80GB', _gib(79.25), _ISSUE.format('HiDream-ai/VAREdit', 6), (8, 0),
+         aliases=('a100-80g', 'a100-sxm4-80gb')),
+    Card('h100-80gb', 'NVIDIA H100 80GB HBM3', _gib(79.11), _ISSUE.format('vllm-project/vllm', 27508), (9, 0),
+         aliases=('h100', 'h100-sxm')),
+    Card('h200', 'NVIDIA H200', _gib(139.86), 'https://thundergolfer.com/blog/nvidia-gpu-memory-capacity', (9, 0),
+         aliases=('h200-141gb',),
+         note='no published CUDA figure: nvidia-smi\'s 143,771 MiB (140.40 GiB) less the 0.54 GiB the H100 shows '
+                 'between nvidia-smi (81,559 MiB) and CUDA (79.11 GiB), an assumption'),
+    Card('b200', 'NVIDIA B200', _gib(178.35), 'https://github.com/pytorch/ao/pull/4002', (10, 0)),
+    Card('rtx-pro-6000', 'RTX PRO 6000 Blackwell Workstation Edition', _gib(94.97),
+         _ISSUE.format('antirez/ds4', 431), (12, 0), aliases=('rtx-pro-6000-blackwell', 'rtxpro6000', 'pro6000')),
+    Card('rtx-pro-6000-max-q', 'RTX PRO 6000 Blackwell Max-Q Workstation Edition', _gib(94.97),
+         _ISSUE.format('antirez/ds4', 431), (12, 0), aliases=('pro6000maxq', 'rtx-pro-6000-maxq'),
+         note='read on the Workstation Edition, whose 96 GB GDDR7 the Max-Q board carries too (an assumption)'),
+)}
+
+
+def find_card(name: str) -> Card:
+    """The card `name` names (its name or an alias, any case).
+
+    Raises:
+        UsageError: No card has that name; the message lists the known names.
+    """
+    key = name.strip().lower().replace('_', '-').replace(' ', '-')
+    for card in CARDS.values():
+        if key == card.name or key in card.aliases:
+            return card
+    raise UsageError(f'--gpu {name}: not a card this plan knows; pass one of {", ".join(CARDS)}, or --mem-budget '
+                     f'with the memory the caching allocator may use')
+
+
+def card_flag_problem(name: Optional[str], device: str, estimate: bool) -> Optional[str]:
+    """Why `--gpu name` cannot be used with `--device device` (and `--estimate` or not), in one line; None if it can.
+
+    A card is named only to plan for it: on the device itself the probe measures the card that is here, so `--gpu`
+    without `--estimate` is refused rather than checked against it.
+    """
+    if name is None:
+        return None
+    if device.split(':', 1)[0] != 'cuda':
+        return f'argument --gpu: names a CUDA card; drop it, or pass --device cuda to plan for {name}'
+    if not estimate:
+        return (f'argument --gpu: plans for a card that is not here and needs --estimate; add --estimate, or drop '
+                f'--gpu to measure the card here')
+    try:
+        find_card(name)
+    except UsageError as e:
+        return f'argument {e}'
+    return None
