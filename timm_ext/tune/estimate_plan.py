@@ -17,6 +17,7 @@ import torch
 
 from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
+from ..memory_model.ddp import NCCL_ASSUMPTION, nccl_buffer_bytes
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
@@ -91,6 +92,7 @@ def plan_from_estimate(args: argparse.Namespace, device_type: str, estimate: Mem
     plans = []
     for text, budget in budgets:
         num_bytes, usable = estimate.device.plan_in(budget, text)
+        usable = max(0, usable - (nccl_buffer_bytes(world_size, args.nnodes) if device_type == 'cuda' else 0))
         limit = usable * (1 - args.mem_headroom)
         micro = _micro_batch(args, grid, estimate.largest_batch(limit))
         plan = plan_run(args, micro, world_size, target) if micro else None
@@ -126,7 +128,9 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
     ranks = f'{nodes} node(s) x {nproc} process(es)' if nodes > 1 else f'{nproc} process(es)'
     lines = [f'Estimate (no real trial ran): {estimate.describe}, traced on fake tensors in {estimate.seconds:.1f} s; '
              f'for {estimate.device.name}, {ranks}, headroom {headroom:.0%}.',
-             f'Assumed: {estimate.device.assumptions}.', *_budget_lines(estimate, plans), '',
+             f'Assumed: {estimate.device.assumptions}'
+             + (f'; {NCCL_ASSUMPTION}.' if nodes * nproc > 1 and estimate.device.context_bytes else '.'),
+             *_budget_lines(estimate, plans), '',
              'Predicted peak per micro-batch:',
              *estimate.table(sizes, first.usable), '', 'What fits where:',
              f'{"budget":>10s} {"fits up to":>11s} {"micro-batch":>12s} {"accum":>6s} {"global":>7s} {"LR":>9s} '
@@ -155,7 +159,8 @@ def _budget_lines(estimate: MemoryEstimate, plans: List[EstimatedPlan]) -> List[
     if not estimate.device.context_bytes:
         return []
     return [f'Budget {p.budget_text}: {format_bytes(p.budget)} as CUDA reports it, '
-            + (f'less {format_bytes(p.budget - p.usable)} of context outside the allocator: ' if p.budget > p.usable
+            + (f'less {format_bytes(p.budget - p.usable)} outside the allocator (context; NCCL under DDP): '
+               if p.budget > p.usable
                else 'the context already out of it: ') + f'{format_bytes(p.usable)} to plan in.' for p in plans]
 
 

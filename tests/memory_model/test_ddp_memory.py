@@ -1,0 +1,146 @@
+"""DDP per rank: the reducer's gradient buckets (against torch's own bucketing and reducer) and NCCL's buffers."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.distributed as dist
+
+from timm_ext.memory_model.ddp import (DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, NCCL_ASSUMPTION,
+                                       allocating_buckets, initial_bucket_sizes, nccl_buffer_bytes,
+                                       rebuilt_bucket_sizes)
+from timm_ext.memory_model.estimate import estimate_memory
+from timm_ext.memory_model.live_bytes import LiveBytes
+from timm_ext.train.args import parse_args
+from timm_ext.train.trial_steps import DdpBuckets
+
+MiB = 1 << 20
+WORKER = Path(__file__).with_name('ddp_gloo_worker.py')
+
+
+def _sizes_in_bytes(sizes):
+    return [numel * torch.empty(0, dtype=dtype).element_size() for dtype, numel in sizes]
+
+
+def _torch_assignment(tensors, limits):
+    """torch's own `compute_bucket_assignment_by_size`, the tensors given in gradient-ready order."""
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors),
+                                                         list(range(len(tensors))))
+    return [sum(tensors[i].numel() * tensors[i].element_size() for i in bucket) for bucket in indices]
+
+
+def test_default_limits_are_torchs():
+    """torch/nn/parallel/distributed.py `_DEFAULT_BUCKET_CAP_MB` (25 MiB) and reducer.hpp `kDefaultFirstBucketBytes`
+    (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB): the limits a DDP without `bucket_cap_mb` rebuilds its buckets with."""
+    from torch.nn.parallel import distributed
+    assert DDP_BUCKET_CAP_BYTES == distributed._DEFAULT_BUCKET_CAP_MB * distributed._MB_TO_BYTES
+    assert DDP_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+@pytest.mark.parametrize('bucket_cap_mb', [None, 1.5])
+def test_rebuilt_buckets_follow_compute_bucket_assignment_by_size(bucket_cap_mb):
+    """reducer.cpp `compute_bucket_assignment_by_size` (called by `rebuild_buckets` with [first_bucket_bytes_cap,
+    bucket_bytes_cap]; distributed.py `_BucketCapacityConfig.create`: the first cap is 1 MiB only when bucket_cap_mb is
+    left at its default): per dtype a bucket closes once its bytes reach the limit, the parameter that reaches it
+    inside, the next limit for that dtype's next bucket. A tensor of exactly 1 MiB closes the first bucket alone."""
+    ready = [torch.empty(MiB // 4), torch.empty(3, dtype=torch.float16), torch.empty(700_000),
+             torch.empty(MiB // 2, dtype=torch.float16), torch.empty(5_000_000), torch.empty(1_000_000),
+             torch.empty(300_000), torch.empty(10, dtype=torch.float16)]
+    for p in ready:
+        p.requires_grad_()
+    limits = ([DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES] if bucket_cap_mb is None
+              else [int(bucket_cap_mb * MiB)])
+    assert sorted(_sizes_in_bytes(rebuilt_bucket_sizes(ready, bucket_cap_mb))) == sorted(_torch_assignment(ready, limits))
+
+
+def test_initial_buckets_are_one_per_dtype():
+    """distributed.py `_BucketCapacityConfig.compute_bucket_size_limits`: without `static_graph` or
+    `find_unused_parameters` (train.py sets neither) DDP's construction bucketing has the one limit `sys.maxsize`,
+    so each dtype's parameters share one bucket; `_build_params_for_reducer` skips frozen and repeated ones."""
+    shared = torch.nn.Parameter(torch.empty(10))
+    frozen = torch.nn.Parameter(torch.empty(99), requires_grad=False)
+    params = [shared, torch.nn.Parameter(torch.empty(7, dtype=torch.float16)), frozen, shared,
+              torch.nn.Parameter(torch.empty(5))]
+    assert sorted(initial_bucket_sizes(params), key=str) == [(torch.float16, 7), (torch.float32, 15)]
+    reduced = [shared, params[1], params[4]]
+    assert sorted(_sizes_in_bytes(initial_bucket_sizes(params))) == sorted(
+        _torch_assignment(reduced, [sys.maxsize]))
+
+
+def test_trial_buckets_match_ddps_reducer_on_two_gloo_ranks(tmp_path):
+    """reducer.cpp `initialize_buckets` (one tensor per bucket), `autograd_hook`/`rebuild_buckets` (rebuilt in the
+    order the first backward made the gradients ready) and distributed.py `_pre_forward` (the rebuild before the
+    second forward): the buckets the trial holds (`DdpBuckets`) are those DDP's own reducer all-reduces on two gloo
+    ranks, at the first step and from the second on. test_vit's order is not `parameters()` reversed (`pos_embed` and
+    `cls_token` before the patch embedding), so a rule that assumed it would put 26112 B, not 256 B, in the last
+    bucket."""
+    out = tmp_path / 'buckets.json'
+    done = subprocess.run([sys.executable, str(WORKER), 'test_vit', str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    real = json.loads(out.read_text())['steps']
+    model = timm.create_model('test_vit', num_classes=3)
+    buckets = DdpBuckets(model.parameters(), torch.device('cpu'))
+    buckets.hold()
+    held = [['torch.float32', t.numel() * t.element_size()] for t in buckets.tensors]
+    assert held == real[0]  # construction: one bucket
+    with buckets.first_backward():
+        model(torch.randn(2, *model.pretrained_cfg['input_size'])).sum().backward()
+    held = [['torch.float32', t.numel() * t.element_size()] for t in buckets.tensors]
+    assert held == real[1] == real[2] and len(held) == 2  # rebuilt: the first bucket of 1 MiB, then the rest
+
+
+def test_buckets_are_traced_as_their_own_category():
+    """What the trial allocates under `allocating_buckets` is filed as 'buckets' by the memory trace (so the replay
+    places each bucket as a resident block, and the table shows them), not as activations."""
+    params = [torch.nn.Parameter(torch.empty(4))]
+    with LiveBytes(params) as tracker:
+        with allocating_buckets():
+            bucket = torch.empty(1000)
+        other = torch.empty(10)
+    assert tracker.live['buckets'] == 4000 and tracker.live['activations'] == 40
+    del bucket, other
+
+
+def _resident_buckets(log: dict) -> list:
+    """The bytes of the buckets a step log holds from before the step (`step_log`'s residents), smallest first."""
+    return sorted(r[0] for r in log['residents'] if log['names'][r[1]] == 'buckets')
+
+
+def _ddp_args(world_size: int):
+    args, _ = parse_args(['--model', 'test_resnet', '--num-classes', '40000', '--img-size', '32', '--amp',
+                          '--opt', 'adamw', '--device', 'cuda'])
+    args.distributed, args.world_size, args.rank, args.local_rank = world_size > 1, world_size, 0, 0
+    return args
+
+
+def test_a_ddp_rank_peaks_at_least_a_float32_gradient_copy_above_one_process():
+    """The per-rank estimate of an 8-process plan holds DDP's buckets, resident, beside the gradients (test_resnet
+    with a 40000-class head: ~16 MB of gradients, its head's bucket above the allocator's 10 MiB). Its live peak is at
+    least one float32 copy of the gradients above the one-process peak; so is the replay's, but for a bucket under
+    10 MiB, which may share the free space of a 20 MiB segment (CUDACachingAllocator.cpp `get_allocation_size`)."""
+    one, eight = estimate_memory(_ddp_args(1), 'cuda'), estimate_memory(_ddp_args(8), 'cuda')
+    model = timm.create_model('test_resnet', num_classes=40000)
+    gradient_copy = sum(p.numel() * 4 for p in model.parameters())
+    held = _resident_buckets(eight.replay.scaled.at(64))
+    assert sum(held) == gradient_copy and len(held) == 2 and held[1] > 10 * MiB  # the rest, then the head's bucket
+    shares_a_segment = held[0]
+    for batch in (16, 64):
+        live = {name: value for name, value in eight.categories(batch).items() if name != 'segments'}
+        alone = {name: value for name, value in one.categories(batch).items() if name != 'segments'}
+        assert eight.device.counted(live) >= one.device.counted(alone) + gradient_copy
+        assert eight.peak(batch) >= one.peak(batch) + gradient_copy - shares_a_segment
+    assert not _resident_buckets(one.replay.scaled.at(64))
+
+
+def test_nccl_buffers_per_rank():
+    """NCCL src/init.cc `DEFAULT_BUFFSIZE` (4 MiB, NCCL_BUFFSIZE's documented default), `DEFAULT_LL128_BUFFSIZE`,
+    `DEFAULT_LL_BUFFSIZE`, in 2 MiB granules (NVIDIA/nccl#1685: 10485760-byte buffers), 32 channels: none on one
+    process, 320 MiB per rank on one node, more across nodes (the tree's links), stated in the plan's assumptions."""
+    assert nccl_buffer_bytes(1) == 0
+    assert nccl_buffer_bytes(8) == 32 * 10 * MiB
+    assert nccl_buffer_bytes(16, nodes=2) == nccl_buffer_bytes(64, nodes=8) > nccl_buffer_bytes(8)
+    assert 'NCCL_BUFFSIZE' in NCCL_ASSUMPTION

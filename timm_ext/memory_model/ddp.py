@@ -1,0 +1,132 @@
+"""What DistributedDataParallel holds on each rank besides the step: the reducer's gradient buckets and NCCL's buffers.
+
+train.py wraps the model in `torch.nn.parallel.DistributedDataParallel` with `device_ids` (and `broadcast_buffers`
+off under `--no-ddp-bb`): `bucket_cap_mb`, `gradient_as_bucket_view`, `static_graph` and `find_unused_parameters`
+keep torch's defaults. Read from torch 2.14.1 (`torch/nn/parallel/distributed.py`: `_BucketCapacityConfig`,
+`_ddp_init_helper`, `_pre_forward`) and the reducer (`torch/csrc/distributed/c10d/reducer.cpp`: `initialize_buckets`,
+`autograd_hook`, `rebuild_buckets`, `compute_bucket_assignment_by_size`):
+
+* Without `gradient_as_bucket_view` each bucket is one flat tensor of its own (`initialize_buckets`: `at::empty` of
+  the bucket's elements in its parameters' dtype), a second copy of the gradients beside `param.grad`, resident from
+  construction to the end of the run.
+* At construction, with `find_unused_parameters` off, every parameter goes into one bucket per dtype and device
+  (`compute_bucket_size_limits`: limit `sys.maxsize`; `initial_bucket_sizes`). The first backward records the order
+  in which the gradients become ready (`autograd_hook`: `push_rebuilt_params`), and the next forward (`_pre_forward`
+  -> `_rebuild_buckets`) frees those buckets and assigns new ones in that order with the limits
+  [`_DEFAULT_FIRST_BUCKET_BYTES` (1 MiB), `bucket_cap_mb` (25 MiB)] when `bucket_cap_mb` is left at its default,
+  [`bucket_cap_mb`] when set (`rebuilt_bucket_sizes`). The total is the same; the run holds the rebuilt buckets from
+  its second step on.
+* `compute_bucket_assignment_by_size`: per (dtype, device), parameters join the open bucket in order; a bucket closes
+  as soon as its bytes reach its limit (the parameter that crosses it stays in), and that dtype's next bucket takes
+  the next limit (the last repeats); open buckets close at the end.
+
+The order gradients become ready in is autograd's, not `parameters()` reversed: timm's ViT makes `pos_embed`'s and
+`cls_token`'s ready before the patch embedding's, so the order is recorded from the step itself
+(`timm_ext.train.trial_steps`). While the trial allocates the buckets (`allocating_buckets`), the memory trace files
+them as DDP's (`timm_ext.memory_model.live_bytes`), so the replay places each as a resident block of its own.
+
+NCCL allocates its communication buffers with `cudaMalloc`/`cuMem` itself, outside PyTorch's caching allocator:
+`nccl_buffer_bytes` gives a documented figure per rank that the plan takes off the card.
+"""
+import contextlib
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ['DDP_BUCKET_CAP_BYTES', 'DDP_FIRST_BUCKET_BYTES', 'initial_bucket_sizes', 'rebuilt_bucket_sizes',
+           'allocating_buckets', 'buckets_being_allocated', 'nccl_buffer_bytes', 'NCCL_ASSUMPTION']
+
+MiB = 1 << 20
+# torch/nn/parallel/distributed.py: `_DEFAULT_BUCKET_CAP_MB = 25` MiB (`_MB_TO_BYTES = 1024 * 1024`)
+DDP_BUCKET_CAP_BYTES = 25 * MiB
+# torch/csrc/distributed/c10d/reducer.hpp: `kDefaultFirstBucketBytes`, exposed as `dist._DEFAULT_FIRST_BUCKET_BYTES`
+DDP_FIRST_BUCKET_BYTES = 1 * MiB
+
+# NCCL's buffers per connection: the Simple protocol's FIFO (`DEFAULT_BUFFSIZE`, 4 MiB, the documented default of
+# NCCL_BUFFSIZE), LL128's (`DEFAULT_LL128_BUFFSIZE` = 120 x 640 x 8 x 8 B) and LL's (`DEFAULT_LL_BUFFSIZE` =
+# 8 x 512 x 8 x 16 B), NCCL src/init.cc; allocated in 2 MiB granules: NVIDIA/nccl#1685 logs 10485760-byte buffers
+NCCL_CONNECTION_BYTES = -(-((1 << 22) + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16) // (2 * MiB)) * (2 * MiB)
+# Assumption: the channels NCCL opens, its most (`MAXCHANNELS`, src/include/device.h), which NVIDIA/nccl#1685 shows
+# on 8 NVLink H100s; PCIe cards open fewer (memory is linear in channels: NVIDIA/nccl#986)
+NCCL_CHANNELS = 32
+# Assumption: connections holding buffers on a rank, per channel: the ring's receiving side on one node (a ring keeps
+# 2 connections whatever the scale, NVIDIA/nccl#986); across nodes also the tree's link up and down (no further growth
+# beyond 2 nodes, ibid.)
+NCCL_RING_CONNECTIONS = 1
+NCCL_TREE_CONNECTIONS = 2
+NCCL_ASSUMPTION = (f'NCCL buffers per rank outside the allocator: {NCCL_CONNECTION_BYTES // MiB} MiB a connection '
+                   f'(NCCL_BUFFSIZE 4 MiB, LL, LL128) x {NCCL_CHANNELS} channels x {NCCL_RING_CONNECTIONS} connection '
+                   f'on one node, {NCCL_RING_CONNECTIONS + NCCL_TREE_CONNECTIONS} across nodes')
+
+_allocating = [False]  # whether the trial is allocating DDP's buckets now
+
+
+@contextlib.contextmanager
+def allocating_buckets() -> Iterator[None]:
+    """While active, the tensors created are DDP's gradient buckets (the memory trace files them as such)."""
+    _allocating[0] = True
+    try:
+        yield
+    finally:
+        _allocating[0] = False
+
+
+def buckets_being_allocated() -> bool:
+    """Whether `allocating_buckets` is active."""
+    return _allocating[0]
+
+
+
+
+
+def initial_bucket_sizes(params: Sequence[torch.Tensor]) -> List[Tuple[torch.dtype, int]]:
+    """DDP's gradient buckets from its construction to the first step's end, as (dtype, elements): one per dtype
+    (`_BucketCapacityConfig.compute_bucket_size_limits`: `sys.maxsize` without `find_unused_parameters`).
+
+    Args:
+        params: The wrapped module's parameters (those without gradients are skipped, a shared one counts once).
+    """
+    totals: Dict[tuple, int] = {}
+    for p in _reduced(params):
+        totals[(p.dtype, p.device)] = totals.get((p.dtype, p.device), 0) + p.numel()
+    return [(key[0], numel) for key, numel in totals.items()]
+
+
+def rebuilt_bucket_sizes(ready_order: Sequence[torch.Tensor], bucket_cap_mb: Optional[float] = None
+                         ) -> List[Tuple[torch.dtype, int]]:
+    """DDP's gradient buckets from the second step on, as (dtype, elements) in the reducer's bucket order.
+
+    Args:
+        ready_order: The parameters in the order the first backward made their gradients ready.
+        bucket_cap_mb: DDP's `bucket_cap_mb` (None: its default, which also gives the small first bucket).
+    """
+    limits = [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES] if bucket_cap_mb is None else [int(bucket_cap_mb * MiB)]
+    closed: List[Tuple[torch.dtype, int]] = []
+    open_buckets: Dict[tuple, List[int]] = {}  # (dtype, device) -> [elements, bytes, index of its limit]
+    for p in _reduced(ready_order):
+        key = (p.dtype, p.device)
+        bucket = open_buckets.setdefault(key, [0, 0, 0])
+        bucket[0] += p.numel()
+        bucket[1] += p.numel() * p.element_size()
+        if bucket[1] >= limits[bucket[2]]:  # the parameter that reaches the limit stays in
+            closed.append((p.dtype, bucket[0]))
+            open_buckets[key] = [0, 0, min(bucket[2] + 1, len(limits) - 1)]
+    return closed + [(key[0], bucket[0]) for key, bucket in open_buckets.items() if bucket[0]]
+
+
+def _reduced(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The parameters DDP reduces (`_build_params_for_reducer`): those that need a gradient, each once."""
+    seen, kept = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            kept.append(p)
+    return kept
+
+
+def nccl_buffer_bytes(world_size: int, nodes: int = 1) -> int:
+    """NCCL's device buffers on each rank, outside PyTorch's allocator (0 on one process); see `NCCL_ASSUMPTION`."""
+    if world_size <= 1:
+        return 0
+    connections = NCCL_RING_CONNECTIONS + (NCCL_TREE_CONNECTIONS if nodes > 1 else 0)
+    return NCCL_CHANNELS * connections * NCCL_CONNECTION_BYTES
