@@ -1,9 +1,9 @@
 """DDP's own reducer on two gloo ranks (CPU): the bytes of each gradient bucket it all-reduces, step by step.
 
-Run as `python ddp_gloo_worker.py MODEL OUT.json [BUCKET_CAP_MB]`: forks two ranks that wrap timm's MODEL in
-DistributedDataParallel as train.py does (no `bucket_cap_mb` unless given, no `gradient_as_bucket_view`), run three
-training steps, and record through a comm hook the dtype and bytes of every `GradBucket` buffer each step reduces.
-Rank 0 writes {"steps": [[[dtype, bytes], ...] per step], "params": [[name, dtype, numel], ...]} to OUT.json.
+Run as `python ddp_gloo_worker.py MODEL OUT.json [CAP ...]`: forks two ranks that, for each CAP ('default': no
+`bucket_cap_mb`, as train.py; else that `bucket_cap_mb`), wrap a fresh timm MODEL in DistributedDataParallel without
+`gradient_as_bucket_view` (as train.py), run two training steps, and record through a comm hook the dtype and bytes
+of every `GradBucket` buffer each step reduces. Rank 0 writes {CAP: [[[dtype, bytes], ...] per step]} to OUT.json.
 """
 import json
 import multiprocessing
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 WORLD_SIZE = 2
-STEPS = 3
+STEPS = 2  # the construction's buckets, then the rebuilt ones
 BATCH = 2
 
 
@@ -27,43 +27,47 @@ def _recording_hook(log: list):
     return hook
 
 
-def _rank(rank: int, store_path: str, model_name: str, out: str, bucket_cap_mb) -> None:
+def _steps(model_name: str, cap: str) -> list:
     import timm
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dist.init_process_group('gloo', store=dist.FileStore(store_path, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE)
     model = timm.create_model(model_name, num_classes=3)
-    kwargs = {} if bucket_cap_mb is None else {'bucket_cap_mb': bucket_cap_mb}
+    kwargs = {} if cap == 'default' else {'bucket_cap_mb': float(cap)}
     ddp = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
     log: list = []
     ddp.register_comm_hook(None, _recording_hook(log))
-    size = model.pretrained_cfg.get('input_size', (3, 32, 32))
     steps = []
     for _ in range(STEPS):
         log.clear()
-        ddp(torch.randn(BATCH, *size)).sum().backward()
+        ddp(torch.randn(BATCH, *model.pretrained_cfg['input_size'])).sum().backward()
         steps.append([[dtype, nbytes] for _, dtype, nbytes in sorted(log)])
         model.zero_grad(set_to_none=True)
+    return steps
+
+
+def _rank(rank: int, store_path: str, model_name: str, out: str, caps: list) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group('gloo', store=dist.FileStore(store_path, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE)
+    recorded = {cap: _steps(model_name, cap) for cap in caps}
     if rank == 0:
-        params = [[n, str(p.dtype), p.numel()] for n, p in model.named_parameters()]
         with open(out, 'w') as f:
-            json.dump(dict(steps=steps, params=params), f)
+            json.dump(recorded, f)
     dist.destroy_process_group()
 
 
-def main(model_name: str, out: str, bucket_cap_mb=None) -> int:
+def main(model_name: str, out: str, caps: list) -> int:
     context = multiprocessing.get_context('fork')
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, 'store')
-        ranks = [context.Process(target=_rank, args=(r, store, model_name, out, bucket_cap_mb))
-                 for r in range(WORLD_SIZE)]
+        ranks = [context.Process(target=_rank, args=(r, store, model_name, out, caps)) for r in range(WORLD_SIZE)]
         for p in ranks:
             p.start()
         for p in ranks:
             p.join(timeout=120)
-        return max(abs(p.exitcode or 0) for p in ranks)
+        hung = [p for p in ranks if p.is_alive()]
+        for p in hung:
+            p.kill()
+        return 1 if hung else max(abs(p.exitcode) for p in ranks)
 
 
 if __name__ == '__main__':
-    cap = float(sys.argv[3]) if len(sys.argv) > 3 else None
-    sys.exit(main(sys.argv[1], sys.argv[2], cap))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:] or ['default']))

@@ -74,23 +74,27 @@ def test_trial_buckets_match_ddps_reducer_on_two_gloo_ranks(tmp_path):
     """reducer.cpp `initialize_buckets` (one tensor per bucket), `autograd_hook`/`rebuild_buckets` (rebuilt in the
     order the first backward made the gradients ready) and distributed.py `_pre_forward` (the rebuild before the
     second forward): the buckets the trial holds (`DdpBuckets`) are those DDP's own reducer all-reduces on two gloo
-    ranks, at the first step and from the second on. test_vit's order is not `parameters()` reversed (`pos_embed` and
-    `cls_token` before the patch embedding), so a rule that assumed it would put 26112 B, not 256 B, in the last
-    bucket."""
+    ranks, at the first step and at the second; with a small `bucket_cap_mb` the rule splits test_vit into 14 buckets
+    as the reducer does. test_vit's order is not `parameters()` reversed (`pos_embed` and `cls_token` before the patch
+    embedding): a rule that assumed it would put 26112 B, not 256 B, in the last bucket."""
     out = tmp_path / 'buckets.json'
-    done = subprocess.run([sys.executable, str(WORKER), 'test_vit', str(out)], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(WORKER), 'test_vit', str(out), 'default', '0.05'],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    real = json.loads(out.read_text())['steps']
+    real = json.loads(out.read_text())
     model = timm.create_model('test_vit', num_classes=3)
     buckets = DdpBuckets(model.parameters(), torch.device('cpu'))
     buckets.hold()
-    held = [['torch.float32', t.numel() * t.element_size()] for t in buckets.tensors]
-    assert held == real[0]  # construction: one bucket
+    assert [['torch.float32', t.numel() * 4] for t in buckets.tensors] == real['default'][0]  # construction: one
+    ready = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(ready.append)
     with buckets.first_backward():
         model(torch.randn(2, *model.pretrained_cfg['input_size'])).sum().backward()
-    held = [['torch.float32', t.numel() * t.element_size()] for t in buckets.tensors]
-    assert held == real[1] == real[2] and len(held) == 2  # rebuilt: the first bucket of 1 MiB, then the rest
+    held = [['torch.float32', t.numel() * 4] for t in buckets.tensors]
+    assert held == real['default'][1] and len(held) == 2  # rebuilt: the first bucket of 1 MiB, then the rest
+    small = [['torch.float32', n * 4] for _, n in rebuilt_bucket_sizes(ready, bucket_cap_mb=0.05)]
+    assert small == real['0.05'][1] and len(small) == 14
 
 
 def test_buckets_are_traced_as_their_own_category():
@@ -144,3 +148,24 @@ def test_nccl_buffers_per_rank():
     assert nccl_buffer_bytes(8) == 32 * 10 * MiB
     assert nccl_buffer_bytes(16, nodes=2) == nccl_buffer_bytes(64, nodes=8) > nccl_buffer_bytes(8)
     assert 'NCCL_BUFFSIZE' in NCCL_ASSUMPTION
+
+
+@pytest.mark.parametrize('nodes, nproc', [(1, 8), (2, 8)])
+def test_a_cuda_plan_on_several_ranks_takes_nccls_buffers_off_each_card(nodes, nproc):
+    """NCCL's buffers are allocated by NCCL itself, outside PyTorch's caching allocator: like the CUDA context they
+    come off the card's memory before the allocator's share is planned, on each rank."""
+    from timm_ext.memory import parse_budget
+    from timm_ext.memory_model.devices import device_model
+    from timm_ext.memory_model.estimate import MemoryEstimate
+    from timm_ext.memory_model.live_bytes import CATEGORIES
+    from timm_ext.tune.estimate_plan import plan_from_estimate
+    lines = {name: (0.0, 0.0) for name in CATEGORIES}
+    lines.update(weights=(100 * MiB, 0.0), activations=(0.0, 10 * MiB))
+    estimate = MemoryEstimate(lines, {}, device_model('cuda'), 'synthetic', 0.0)
+    args = parse_args(['--model', 'resnet50', '--device', 'cuda'])[0]
+    args.mem_headroom, args.max_batch, args.batch_multiple, args.select = 0.0, None, 8, 'max'
+    args.target_global_batch, args.nnodes = 256, nodes
+    budget = [('24GiB', parse_budget('24GiB'))]
+    alone, = plan_from_estimate(args, 'cuda', estimate, budget, 1, 256)
+    rank, = plan_from_estimate(args, 'cuda', estimate, budget, nodes * nproc, 256)
+    assert alone.usable - rank.usable == nccl_buffer_bytes(nodes * nproc, nodes) > 0

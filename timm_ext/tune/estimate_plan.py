@@ -92,7 +92,8 @@ def plan_from_estimate(args: argparse.Namespace, device_type: str, estimate: Mem
     plans = []
     for text, budget in budgets:
         num_bytes, usable = estimate.device.plan_in(budget, text)
-        usable = max(0, usable - (nccl_buffer_bytes(world_size, args.nnodes) if device_type == 'cuda' else 0))
+        nccl = nccl_buffer_bytes(world_size, getattr(args, 'nnodes', 1)) if device_type == 'cuda' else 0
+        usable = max(0, usable - nccl)  # NCCL's buffers, outside the allocator like the context
         limit = usable * (1 - args.mem_headroom)
         micro = _micro_batch(args, grid, estimate.largest_batch(limit))
         plan = plan_run(args, micro, world_size, target) if micro else None
