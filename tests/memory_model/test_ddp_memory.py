@@ -9,9 +9,9 @@ import timm
 import torch
 import torch.distributed as dist
 
-from timm_ext.memory_model.ddp import (DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, NCCL_ASSUMPTION,
-                                       allocating_buckets, initial_bucket_sizes, nccl_buffer_bytes,
-                                       rebuilt_bucket_sizes)
+from timm_ext.memory_model.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES,
+                                       NCCL_ASSUMPTION, allocating_buckets, broadcast_bucket_sizes,
+                                       initial_bucket_sizes, nccl_buffer_bytes, rebuilt_bucket_sizes)
 from timm_ext.memory_model.estimate import estimate_memory
 from timm_ext.memory_model.live_bytes import LiveBytes
 from timm_ext.train.args import parse_args
@@ -53,7 +53,8 @@ def test_rebuilt_buckets_follow_compute_bucket_assignment_by_size(bucket_cap_mb)
         p.requires_grad_()
     limits = ([DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES] if bucket_cap_mb is None
               else [int(bucket_cap_mb * MiB)])
-    assert sorted(_sizes_in_bytes(rebuilt_bucket_sizes(ready, bucket_cap_mb))) == sorted(_torch_assignment(ready, limits))
+    predicted = _sizes_in_bytes(rebuilt_bucket_sizes(ready, bucket_cap_mb))
+    assert sorted(predicted) == sorted(_torch_assignment(ready, limits))
 
 
 def test_initial_buckets_are_one_per_dtype():
@@ -68,6 +69,47 @@ def test_initial_buckets_are_one_per_dtype():
     reduced = [shared, params[1], params[4]]
     assert sorted(_sizes_in_bytes(initial_bucket_sizes(params))) == sorted(
         _torch_assignment(reduced, [sys.maxsize]))
+
+
+def test_buffers_are_broadcast_in_torchs_buckets():
+    """distributed.py `__init__` (`broadcast_bucket_size` 250 MiB) and `_default_broadcast_coalesced` -> comm.cpp
+    `broadcast_coalesced`: before each training forward under `broadcast_buffers` (train.py's default) the buffers are
+    flattened in the buckets `compute_bucket_assignment_by_size` gives them with that one limit, in the order of
+    their first buffer (test_resnet: the batch norms' float32 statistics, then their int64 counters)."""
+    from torch.nn.parallel import distributed
+    buffers = list(timm.create_model('test_resnet', num_classes=3).buffers())
+    assert DDP_BROADCAST_BUCKET_BYTES == 250 * MiB
+    indices, _ = dist._compute_bucket_assignment_by_size(buffers, [DDP_BROADCAST_BUCKET_BYTES], [False] * len(buffers))
+    expected = [sum(buffers[i].numel() * buffers[i].element_size() for i in bucket) for bucket in indices]
+    assert _sizes_in_bytes(broadcast_bucket_sizes(buffers)) == expected and len(expected) == 2
+    assert 'broadcast_bucket_size = 250 * 1024 * 1024' in Path(distributed.__file__).read_text()
+
+
+@pytest.mark.parametrize('flags, broadcast', [((), True), (('--no-ddp-bb',), False)])
+def test_the_trial_broadcasts_the_buffers_when_train_pys_ddp_does(flags, broadcast):
+    """timm_ext/train/stack.py `build_training_stack`: train.py wraps the model in DDP with `broadcast_buffers` at its
+    default (on), off under --no-ddp-bb; the trial's buckets broadcast the module's buffers exactly then."""
+    from timm_ext.train.stack import build_training_stack
+    from timm_ext.train.trial_steps import _ddp_buckets
+    args = _ddp_args(2, *flags)
+    args.device = 'cpu'
+    stack = build_training_stack(args, torch.device('cpu'), lr=0.1, with_data=False, compile_model=False, ddp=False)
+    held = _ddp_buckets(args, stack, torch.device('cpu'))
+    expected = list(stack.task.get_trainable_module().buffers()) if broadcast else []
+    assert [id(b) for b in held.buffers] == [id(b) for b in expected] and bool(held.buffers) == broadcast
+
+
+def test_at_most_two_broadcast_copies_are_alive_at_once():
+    """comm.cpp `broadcast_coalesced`: `max_in_flight = 2`, the oldest broadcast waited for (and its flat copy freed)
+    before a third starts; all are gone when the forward runs. Three 300 MiB buffers, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        buffers = [torch.empty(300 * MiB // 4) for _ in range(3)]
+        held = DdpBuckets([], torch.device('cpu'), buffers)
+        with LiveBytes([]) as tracker:
+            with held.update():
+                pass
+    assert tracker.peak['buckets'] == 2 * 300 * MiB and tracker.live['buckets'] == 0
 
 
 def test_trial_buckets_match_ddps_reducer_on_two_gloo_ranks(tmp_path):
@@ -89,7 +131,7 @@ def test_trial_buckets_match_ddps_reducer_on_two_gloo_ranks(tmp_path):
     ready = []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(ready.append)
-    with buckets.first_backward():
+    with buckets.update():
         model(torch.randn(2, *model.pretrained_cfg['input_size'])).sum().backward()
     held = [['torch.float32', t.numel() * 4] for t in buckets.tensors]
     assert held == real['default'][1] and len(held) == 2  # rebuilt: the first bucket of 1 MiB, then the rest
@@ -114,9 +156,9 @@ def _resident_buckets(log: dict) -> list:
     return sorted(r[0] for r in log['residents'] if log['names'][r[1]] == 'buckets')
 
 
-def _ddp_args(world_size: int):
+def _ddp_args(world_size: int, *flags: str):
     args, _ = parse_args(['--model', 'test_resnet', '--num-classes', '40000', '--img-size', '32', '--amp',
-                          '--opt', 'adamw', '--device', 'cuda'])
+                          '--opt', 'adamw', '--device', 'cuda', *flags])
     args.distributed, args.world_size, args.rank, args.local_rank = world_size > 1, world_size, 0, 0
     return args
 

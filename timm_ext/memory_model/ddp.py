@@ -19,6 +19,9 @@ keep torch's defaults. Read from torch 2.14.1 (`torch/nn/parallel/distributed.py
 * `compute_bucket_assignment_by_size`: per (dtype, device), parameters join the open bucket in order; a bucket closes
   as soon as its bytes reach its limit (the parameter that crosses it stays in), and that dtype's next bucket takes
   the next limit (the last repeats); open buckets close at the end.
+* With `broadcast_buffers`, before each training forward (`_pre_forward` -> `_sync_buffers`) the module's buffers go
+  from rank 0 to the others through flat copies, in buckets of `broadcast_bucket_size` (250 MiB), at most two at once
+  (comm.cpp `broadcast_coalesced`): temporaries freed before the forward runs (`broadcast_bucket_sizes`).
 
 The order gradients become ready in is autograd's, not `parameters()` reversed: timm's ViT makes `pos_embed`'s and
 `cls_token`'s ready before the patch embedding's, so the order is recorded from the step itself
@@ -34,6 +37,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ['DDP_BUCKET_CAP_BYTES', 'DDP_FIRST_BUCKET_BYTES', 'initial_bucket_sizes', 'rebuilt_bucket_sizes',
+           'broadcast_bucket_sizes', 'BROADCAST_IN_FLIGHT',
            'allocating_buckets', 'buckets_being_allocated', 'nccl_buffer_bytes', 'NCCL_ASSUMPTION']
 
 MiB = 1 << 20
@@ -41,6 +45,10 @@ MiB = 1 << 20
 DDP_BUCKET_CAP_BYTES = 25 * MiB
 # torch/csrc/distributed/c10d/reducer.hpp: `kDefaultFirstBucketBytes`, exposed as `dist._DEFAULT_FIRST_BUCKET_BYTES`
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
+# torch/nn/parallel/distributed.py `__init__`: `self.broadcast_bucket_size = 250 * 1024 * 1024`
+DDP_BROADCAST_BUCKET_BYTES = 250 * MiB
+# torch/csrc/distributed/c10d/comm.cpp `broadcast_coalesced`: `max_in_flight = 2`
+BROADCAST_IN_FLIGHT = 2
 
 # NCCL's buffers per connection: the Simple protocol's FIFO (`DEFAULT_BUFFSIZE`, 4 MiB, the documented default of
 # NCCL_BUFFSIZE), LL128's (`DEFAULT_LL128_BUFFSIZE` = 120 x 640 x 8 x 8 B) and LL's (`DEFAULT_LL_BUFFSIZE` =
@@ -76,9 +84,6 @@ def buckets_being_allocated() -> bool:
     return _allocating[0]
 
 
-
-
-
 def initial_bucket_sizes(params: Sequence[torch.Tensor]) -> List[Tuple[torch.dtype, int]]:
     """DDP's gradient buckets from its construction to the first step's end, as (dtype, elements): one per dtype
     (`_BucketCapacityConfig.compute_bucket_size_limits`: `sys.maxsize` without `find_unused_parameters`).
@@ -101,17 +106,40 @@ def rebuilt_bucket_sizes(ready_order: Sequence[torch.Tensor], bucket_cap_mb: Opt
         bucket_cap_mb: DDP's `bucket_cap_mb` (None: its default, which also gives the small first bucket).
     """
     limits = [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES] if bucket_cap_mb is None else [int(bucket_cap_mb * MiB)]
-    closed: List[Tuple[torch.dtype, int]] = []
-    open_buckets: Dict[tuple, List[int]] = {}  # (dtype, device) -> [elements, bytes, index of its limit]
-    for p in _reduced(ready_order):
-        key = (p.dtype, p.device)
-        bucket = open_buckets.setdefault(key, [0, 0, 0])
-        bucket[0] += p.numel()
-        bucket[1] += p.numel() * p.element_size()
-        if bucket[1] >= limits[bucket[2]]:  # the parameter that reaches the limit stays in
-            closed.append((p.dtype, bucket[0]))
-            open_buckets[key] = [0, 0, min(bucket[2] + 1, len(limits) - 1)]
-    return closed + [(key[0], bucket[0]) for key, bucket in open_buckets.items() if bucket[0]]
+    return [(dtype, numel) for dtype, numel, _ in _assign(_reduced(ready_order), limits)]
+
+
+def broadcast_bucket_sizes(buffers: Sequence[torch.Tensor]) -> List[Tuple[torch.dtype, int]]:
+    """The flat copies DDP makes of the module's buffers to broadcast them before each training forward under
+    `broadcast_buffers` (train.py's default; off with --no-ddp-bb), as (dtype, elements) in the order they are made.
+
+    distributed.py `_sync_buffers` -> `_default_broadcast_coalesced` (`broadcast_bucket_size` 250 MiB) -> comm.cpp
+    `broadcast_coalesced`: the buffers bucketed by `compute_bucket_assignment_by_size` with that one limit, buckets
+    in the order of their first buffer, each flattened into a new tensor (`BroadcastWork`); at most
+    `BROADCAST_IN_FLIGHT` are alive at once, all freed before the forward runs.
+    """
+    assigned = _assign(list(buffers), [DDP_BROADCAST_BUCKET_BYTES])
+    return [(dtype, numel) for dtype, numel, _ in sorted(assigned, key=lambda bucket: bucket[2])]
+
+
+def _assign(tensors: Sequence[torch.Tensor], limits: Sequence[int]) -> List[Tuple[torch.dtype, int, int]]:
+    """reducer.cpp `compute_bucket_assignment_by_size`: (dtype, elements, index of its first tensor) of each
+    bucket, closed ones first, then those left open."""
+    closed: List[Tuple[torch.dtype, int, int]] = []
+    open_buckets: Dict[tuple, List[int]] = {}  # (dtype, device) -> [elements, bytes, index of its limit, first]
+    for i, t in enumerate(tensors):
+        key = (t.dtype, t.device)
+        bucket = open_buckets.setdefault(key, [0, 0, 0, i])
+        bucket[3] = bucket[3] if bucket[0] else i
+        bucket[0] += t.numel()
+        bucket[1] += t.numel() * t.element_size()
+        if bucket[1] >= limits[bucket[2]]:  # the tensor that reaches the limit stays in
+            closed.append((t.dtype, bucket[0], bucket[3]))
+            open_buckets[key] = [0, 0, min(bucket[2] + 1, len(limits) - 1), i]
+    for key, bucket in open_buckets.items():
+        if bucket[0]:
+            closed.append((key[0], bucket[0], bucket[3]))
+    return closed
 
 
 def _reduced(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:

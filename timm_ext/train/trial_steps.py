@@ -3,7 +3,8 @@
 Both are built on the run's own stack (`timm_ext.train.stack`) and loop (`timm_ext.train.loop.TrainLoop`) and hold
 what DDP would hold besides: its reducer's gradient buckets (`DdpBuckets`), resident across steps as DDP keeps them,
 one per dtype from the first step and rebuilt at its end in the order its backward made the gradients ready, as DDP
-rebuilds them before its second forward (the rules: `timm_ext.memory_model.ddp`). The training trial
+rebuilds them before its second forward, and the flat copies it broadcasts the buffers through before each training
+forward (the rules: `timm_ext.memory_model.ddp`). The training trial
 (`timm_ext.probe.trial`) runs them on the device, a DDP rank emulated in one process; the memory estimate
 (`timm_ext.memory_model.estimate`) traces the update on fake tensors, where the buckets are residents of the step.
 """
@@ -14,7 +15,8 @@ from typing import Callable, ContextManager, Iterator, List, Optional, Sequence,
 
 import torch
 
-from ..memory_model.ddp import allocating_buckets, initial_bucket_sizes, rebuilt_bucket_sizes
+from ..memory_model.ddp import (BROADCAST_IN_FLIGHT, allocating_buckets, broadcast_bucket_sizes, initial_bucket_sizes,
+                                rebuilt_bucket_sizes)
 from .loop import LoopConfig, TrainLoop
 from .setup import mixup_active
 from .stack import TrainingStack
@@ -72,7 +74,7 @@ def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: Train
             target = torch.randint(0, num_classes, (rows,), device=device)
         input, target = loop.prepare_batch(input, target)
         held = [(torch.empty_like(input), torch.empty_like(target)) for _ in range(prefetched)]
-        with buckets.first_backward() if buckets is not None else contextlib.nullcontext():
+        with buckets.update() if buckets is not None else contextlib.nullcontext():
             loop.forward_backward(input, target, weight=1.0, sync=True)
             loop.optimizer_update()  # DDP rebuilds its buckets after the update, before the next forward
             updates[0] += 1
@@ -84,16 +86,19 @@ def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: Train
 
 class DdpBuckets:
     """DDP's gradient buckets on a rank as the trial holds them: allocated at the first step (DDP makes them at
-    construction), one tensor per bucket, kept across steps and trials.
+    construction), one tensor per bucket, kept across steps and trials; and its buffer broadcast before each update.
 
     Args:
         params: The parameters DDP would wrap, in `parameters()` order.
         device: Where the buckets live.
+        buffers: The module's buffers that DDP broadcasts before each training forward (none: `broadcast_buffers`
+            off).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], device: torch.device):
+    def __init__(self, params: Sequence[torch.Tensor], device: torch.device, buffers: Sequence[torch.Tensor] = ()):
         self.params = list(params)
         self.device = device
+        self.buffers = list(buffers)
         self.tensors: Optional[List[torch.Tensor]] = None
         self.rebuilt = False
 
@@ -103,9 +108,11 @@ class DdpBuckets:
             self.tensors = self._allocate(initial_bucket_sizes(self.params))
 
     @contextlib.contextmanager
-    def first_backward(self) -> Iterator[None]:
-        """Around a step's backward: until the buckets are rebuilt, record the order the gradients become ready in
-        and rebuild them from it once the step is through (a step that fails records nothing)."""
+    def update(self) -> Iterator[None]:
+        """Around a training update: DDP's broadcast of the buffers before the forward; until the buckets are rebuilt,
+        the order the gradients become ready in is recorded and they are rebuilt from it once the update is through
+        (an update that fails records nothing)."""
+        self._broadcast_buffers()
         if self.rebuilt:
             yield
             return
@@ -122,6 +129,17 @@ class DdpBuckets:
         self.tensors = self._allocate(rebuilt_bucket_sizes(ready))
         self.rebuilt = True
 
+    def _broadcast_buffers(self) -> None:
+        """The flat copies DDP broadcasts the buffers through (`broadcast_bucket_sizes`), at most
+        `BROADCAST_IN_FLIGHT` alive at once, all freed before the forward runs."""
+        in_flight: List[torch.Tensor] = []
+        with allocating_buckets():
+            for dtype, numel in broadcast_bucket_sizes(self.buffers):
+                if len(in_flight) == BROADCAST_IN_FLIGHT:
+                    del in_flight[0]  # the oldest broadcast is waited for before the next starts
+                in_flight.append(torch.empty(numel, dtype=dtype, device=self.device))
+        in_flight.clear()
+
     def _allocate(self, sizes: Sequence[Tuple[torch.dtype, int]]) -> List[torch.Tensor]:
         with allocating_buckets():
             return [torch.empty(numel, dtype=dtype, device=self.device) for dtype, numel in sizes]
@@ -136,7 +154,9 @@ def _ddp_buckets(args: argparse.Namespace, stack: TrainingStack, device: torch.d
     if args.world_size <= 1:
         return None
     if stack.task not in _HELD_BUCKETS:
-        _HELD_BUCKETS[stack.task] = DdpBuckets(stack.task.get_trainable_module().parameters(), device)
+        module = stack.task.get_trainable_module()
+        buffers = () if args.no_ddp_bb else module.buffers()  # train.py keeps DDP's broadcast_buffers unless told
+        _HELD_BUCKETS[stack.task] = DdpBuckets(module.parameters(), device, buffers)
     return _HELD_BUCKETS[stack.task]
 
 
