@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ['DDP_BUCKET_CAP_BYTES', 'DDP_FIRST_BUCKET_BYTES', 'initial_bucket_sizes', 'rebuilt_bucket_sizes',
-           'broadcast_bucket_sizes', 'BROADCAST_IN_FLIGHT',
+           'broadcast_bucket_sizes', 'DDP_BROADCAST_BUCKET_BYTES', 'BROADCAST_IN_FLIGHT',
            'allocating_buckets', 'buckets_being_allocated', 'nccl_buffer_bytes', 'NCCL_ASSUMPTION']
 
 MiB = 1 << 20
@@ -71,7 +71,8 @@ _allocating = [False]  # whether the trial is allocating DDP's buckets now
 
 @contextlib.contextmanager
 def allocating_buckets() -> Iterator[None]:
-    """While active, the tensors created are DDP's gradient buckets (the memory trace files them as such)."""
+    """While active, the tensors created are DDP's (its gradient buckets, its buffers' broadcast copies): the memory
+    trace files them as 'buckets'."""
     _allocating[0] = True
     try:
         yield
