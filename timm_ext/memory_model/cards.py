@@ -99,20 +99,23 @@ class Card:
                 f'({COMPUTE_CAPABILITY_SOURCE}), CUDA context {format_bytes(self.context_bytes)} outside the allocator '
                 f'(assumed for {self.context}, from {CONTEXTS[self.context].source})')
 
-    def plan_in(self, budget: MemoryBudget, text: str) -> Tuple[int, int]:
-        """(the bytes the budget names, what the allocator may use of them) on this card.
+    def plan_in(self, budget: MemoryBudget, text: str, outside: int = 0) -> Tuple[int, int]:
+        """(the bytes the budget names, what the allocator may use of them) on this card, where `outside` bytes
+        besides the context lie outside the allocator (NCCL's buffers under DDP, `timm_ext.memory_model.nccl`).
 
         A size is the allocator's own; a fraction is of what the card leaves the allocator.
 
         Raises:
             BudgetError: A size larger than the card leaves the allocator.
         """
+        room = max(0, self.allocator_bytes - outside)
         if budget.fraction is not None:
-            return self.reported_bytes, int(self.allocator_bytes * budget.fraction)
-        if budget.num_bytes > self.allocator_bytes:
+            return self.reported_bytes, int(room * budget.fraction)
+        if budget.num_bytes > room:
+            nccl = f' and {format_bytes(outside)} of NCCL buffers' if outside else ''
             raise BudgetError(f'--mem-budget {text} is more than {self.name} leaves the caching allocator '
-                              f'({format_bytes(self.allocator_bytes)}: {format_bytes(self.reported_bytes)} less '
-                              f'{format_bytes(self.context_bytes)} of CUDA context); pass at most that, or drop '
+                              f'({format_bytes(room)}: {format_bytes(self.reported_bytes)} less '
+                              f'{format_bytes(self.context_bytes)} of CUDA context{nccl}); pass at most that, or drop '
                               f'--mem-budget to plan the whole card')
         return budget.num_bytes, budget.num_bytes
 

@@ -85,20 +85,21 @@ class DeviceModel:
         """The planned card's compute capability (None: not known)."""
         return self.card.compute_capability if self.card else None
 
-    def plan_in(self, budget: MemoryBudget, text: str) -> Tuple[int, int]:
+    def plan_in(self, budget: MemoryBudget, text: str, outside: int = 0) -> Tuple[int, int]:
         """(the bytes the budget names, what the caching allocator may use of them) for a budget as written (`text`;
         empty: none was given, all of the device).
 
         A size is the allocator's, as the probe's cap is; on a named card (`Card.plan_in`) it may not pass what the
         card leaves the allocator, and a fraction is of that. Without a card a fraction is of what the device here can
-        still give (the CUDA context already out of it).
+        still give (the CUDA context already out of it). `outside`: bytes besides the context that the run holds
+        outside the allocator (NCCL's buffers): off a card or a fraction, not off a size, which is the allocator's.
 
         Raises:
             BudgetError: A size larger than the named card leaves the allocator, or a fraction of a CUDA device that
                 is neither here nor named.
         """
         if self.card is not None:
-            return self.card.plan_in(budget, text)
+            return self.card.plan_in(budget, text, outside)
         if budget.fraction is None:
             return budget.num_bytes, budget.num_bytes
         device = torch.device('cuda' if self.name == 'cuda' else 'cpu')
@@ -107,7 +108,7 @@ class DeviceModel:
             raise BudgetError(f"{asked} needs the GPU here; name the card (--gpu, e.g. h100-80gb) or give what the "
                               f"caching allocator may use as a size, e.g. --mem-budget 70GiB")
         num_bytes = budget.resolve(device)
-        return num_bytes, num_bytes
+        return num_bytes, max(0, num_bytes - outside)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

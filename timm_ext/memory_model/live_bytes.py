@@ -1,10 +1,11 @@
 """Count the bytes a training step holds, op by op, without running it for real (fake tensors).
 
 `LiveBytes` is a dispatch mode: every tensor storage an op creates is counted from its creation until Python frees
-it, in one of five categories, and the peak of their sum is kept with the split at that moment:
+it, in one of these categories, and the peak of their sum is kept with the split at that moment:
 
 * weights: parameters and buffers (counted once, up front: they exist before the step);
 * gradients: the `.grad` of each parameter, from the moment autograd stores it;
+* buckets: DDP's gradient buckets, the reducer's copy of the gradients (`timm_ext.train.ddp_buckets`);
 * optimizer: what `optimizer.step()` creates (momentum, Adam's moments);
 * activations: what the forward pass creates (what autograd saves for the backward, the outputs);
 * temporaries: what the backward creates that is not a gradient, and everything else;
@@ -25,9 +26,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..train.ddp_buckets import buckets_being_allocated
+
 __all__ = ['CATEGORIES', 'LiveBytes']
 
-CATEGORIES = ('weights', 'gradients', 'optimizer', 'activations', 'temporaries', 'allocator', 'library', 'workspace')
+CATEGORIES = ('weights', 'gradients', 'buckets', 'optimizer', 'activations', 'temporaries', 'allocator', 'library',
+              'workspace')
 
 
 class LiveBytes(TorchDispatchMode):
@@ -109,6 +113,8 @@ class LiveBytes(TorchDispatchMode):
         self.live['allocator'] -= beyond
 
     def _category(self) -> str:
+        if buckets_being_allocated():
+            return 'buckets'
         if self._in_optimizer:
             return 'optimizer'
         return 'temporaries' if torch._C._current_graph_task_id() != -1 else 'activations'

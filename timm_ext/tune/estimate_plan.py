@@ -21,6 +21,7 @@ from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
 from ..memory_model.allocator_config import allocator_config
 from ..memory_model.cards import find_card
+from ..memory_model.nccl import NCCL_ASSUMPTION, nccl_buffer_bytes
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
 from ..probe.grids import default_grid
@@ -104,7 +105,9 @@ def plan_from_estimate(args: argparse.Namespace, device_type: str, estimate: Mem
     target = args.target_global_batch if args.select == 'max' else recipe_global
     plans = []
     for text, budget in budgets:
-        num_bytes, usable = estimate.device.plan_in(budget, text)
+        # NCCL's buffers lie outside the allocator, like the context: off a card, not off an allocator's size
+        nccl = nccl_buffer_bytes(world_size, getattr(args, 'nnodes', 1)) if device_type == 'cuda' else 0
+        num_bytes, usable = estimate.device.plan_in(budget, text, outside=nccl)
         limit = usable * (1 - args.mem_headroom)
         micro = _micro_batch(args, grid, estimate.largest_batch(limit))
         plan = plan_run(args, micro, world_size, target) if micro else None
@@ -140,7 +143,9 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
     ranks = f'{nodes} node(s) x {nproc} process(es)' if nodes > 1 else f'{nproc} process(es)'
     lines = [f'Estimate (no real trial ran): {estimate.describe}, traced on fake tensors in {estimate.seconds:.1f} s; '
              f'for {estimate.device.name}, {ranks}, headroom {headroom:.0%}.',
-             f'Assumed: {estimate.device.assumptions}.', *_budget_lines(estimate, plans), '',
+             f'Assumed: {estimate.device.assumptions}'
+             + (f'; {NCCL_ASSUMPTION}.' if nodes * nproc > 1 and estimate.device.name == 'cuda' else '.'),
+             *_budget_lines(estimate, plans), '',
              'Predicted peak per micro-batch:',
              *estimate.table(sizes, first.usable), '', 'What fits where:',
              f'{"budget":>10s} {"fits up to":>11s} {"micro-batch":>12s} {"accum":>6s} {"global":>7s} {"LR":>9s} '
