@@ -33,6 +33,7 @@ from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop
 from .autocast_casts import CudaAutocastCasts
 from .devices import DeviceModel, device_model
 from .events import EventLog
+from .step_facts import FlopCount, weight_storages
 from .kernel_limits import KernelSizes, launch_limit
 from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
@@ -68,8 +69,12 @@ class MemoryEstimate:
             (`timm_ext.memory_model.kernel_limits`).
         replay: CUDA: the step's event log on the caching allocator (`timm_ext.memory_model`), which answers `peak`
             and `largest_batch` (None where the logs of two batch sizes did not line up: the lines answer).
-        flops_per_sample: The traced step's FLOPs per sample (`torch.utils.flop_counter`, at the largest batch;
-            recomputed forwards included).
+        flops_per_sample: The traced update's FLOPs per sample (`torch.utils.flop_counter`'s formulas, at the
+            largest batch, recomputed forwards included; 0 for a forward-only step).
+        weight_storages: Each storage the weights category counts, in the order the trace filed them (on CUDA the
+            first residents of the replay's log): (bytes, role), role 'trainable' (a parameter the optimizer steps),
+            'ema' (the EMA copy's) or 'fixed' (buffers, frozen parameters). The savers priced without a trace of
+            their own read it (`timm_ext.tune.saver_rules`).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -80,12 +85,14 @@ class MemoryEstimate:
     kernel_sizes: Dict[str, float] = dataclasses.field(default_factory=dict)
     replay: Optional[CudaReplay] = None
     flops_per_sample: float = 0.0
+    weight_storages: List[Tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         """The estimate as JSON's types (what a trace's child sends back and the benchmarks cache), device aside."""
         return dict(lines=self.lines, traced=self.traced, describe=self.describe, seconds=self.seconds,
                     grad_bytes=self.grad_bytes, kernel_sizes=self.kernel_sizes,
-                    log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample)
+                    log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample,
+                    weight_storages=self.weight_storages)
 
     @classmethod
     def from_json(cls, data: dict, device: DeviceModel,
@@ -97,7 +104,8 @@ class MemoryEstimate:
             replay = CudaReplay(data['log']) if replay_config is None else CudaReplay(data['log'], replay_config)
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
-                   data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0))
+                   data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0),
+                   [tuple(storage) for storage in data.get('weight_storages', [])])
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -172,7 +180,6 @@ def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
 def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int], step_kind: str) -> MemoryEstimate:
     """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     started = time.perf_counter()
     # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
@@ -188,7 +195,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
-    flops = FlopCounterMode(display=False)
+    flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs
     try:
         with mode:
             stack.task.to_empty(device=CPU)
@@ -200,6 +207,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                                                                               no_grad=torch.no_grad)
             params = [p for p in stack.task.get_trainable_module().parameters() if p.requires_grad]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
+            storages = weight_storages(weights, params, getattr(stack.task, 'trainable_module_ema', None))
             if device.name == 'cuda':  # the ordered log the allocator replay reads
                 tracker = EventLog(stack.task.parameters(), weights, dict(stack.task.named_modules()),
                                    allocated=device.allocated)
@@ -215,14 +223,14 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                     for batch_size in batches:
                         tracker.reset_peak()
                         start = tracker.mark() if device.name == 'cuda' else 0
-                        step(batch_size)
+                        # the FLOPs counted in the largest traced step (the counter adds no op to the log)
+                        with flops if batch_size == counted_at else contextlib.nullcontext():
+                            step(batch_size)
                         steps[batch_size] = start, tracker.mark() if device.name == 'cuda' else 0
                         order.append(steps[batch_size])
                         traced[batch_size] = dict(tracker.peak)
             finally:
                 tracker.remove_hooks()
-            with flops:  # a step of its own: the counter's module hooks would add ops to the tracked logs
-                step(max(batches))
     except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
         text = ' '.join(str(e).split())[:200]
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
@@ -235,7 +243,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
     log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
     return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
-                          CudaReplay(log) if log else None, flops.get_total_flops() / max(batches))
+                          CudaReplay(log) if log else None, flops.total / max(batches), storages)
 
 
 def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:

@@ -7,7 +7,9 @@ with `--select max` the largest micro-batch, on `--nproc` x `--nnodes` ranks. A 
 peak of a micro-batch after a window's first, which starts with the gradients resident. train.py's evaluation between
 epochs is estimated too (forward only, the optimizer state resident): its largest batch within the same limit, up to
 `EVAL_MAX_FACTOR` micro-batches, becomes `validation_batch_size`. Several budgets give a "what fits where" table; the
-first budget's plan is the one written as the YAML config and train command.
+first budget's plan is the one written as the YAML config and train command. The memory savers' table
+(`timm_ext.tune.savers`) follows where the first budget's plan accumulates, where nothing fits, or when `--savers`
+asks for it; the update and the evaluation are traced side by side (`timm_ext.memory_model.trace_pool`).
 """
 import argparse
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
+from ..memory_model.trace_pool import estimate_each
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
 from ..train.input_checks import resume_problem
@@ -223,18 +226,21 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
     onednn = onednn_runs(device_type)
-    estimate = estimate_memory(run_args, device_type, onednn)
-    try:
-        eval_estimate = estimate_memory(run_args, device_type, onednn, EVAL_TRACE_BATCHES, step_kind='eval')
-    except EstimateError:  # the plan stands without it: train.py then evaluates at the micro-batch
+    estimate, eval_estimate = estimate_each([  # the update and train.py's evaluation, traced side by side
+        dict(args=run_args, device_type=device_type, onednn=onednn),
+        dict(args=run_args, device_type=device_type, onednn=onednn, batches=EVAL_TRACE_BATCHES, step_kind='eval')])
+    if isinstance(estimate, EstimateError):
+        raise estimate
+    if isinstance(eval_estimate, EstimateError):  # the plan stands without it: train.py evaluates at the micro-batch
         eval_estimate = None
     recipe_global, _ = recipe_global_batch(args, given, world_size)
     plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global, eval_estimate)
     lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc, eval_estimate)
-    savers = price_savers(run_args, device_type, onednn, estimate,
-                          _planner(run_args, device_type, budgets[0], world_size, recipe_global))
-    lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
-    chosen = plans[0].plan
+    chosen, savers = plans[0].plan, []
+    if getattr(args, 'savers', False) or chosen is None or chosen.accum_steps > 1:  # the table where it can help
+        savers = price_savers(run_args, device_type, onednn, estimate,
+                              _planner(run_args, device_type, budgets[0], world_size, recipe_global))
+        lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
     if chosen is None:
         print('\n'.join(lines))
         advice, details = nothing_fits_advice(savers)
