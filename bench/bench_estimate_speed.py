@@ -9,8 +9,9 @@ traces, replays, the table), best of `--repeats`, run one after another; the fig
 stdout. Time it on quiet cores only: a shared machine times the other sessions.
 
 `--profile MODEL` runs the same command in this process under cProfile, its traces in this process too, one after
-another (a forked trace would hide its work from the profiler; side by side they would count as one), and prints how many times each stage ran (traces, replays, the
-allocator's bisections) and the functions with the largest share of the profile's total: shares, not seconds.
+another (a forked trace would hide its work from the profiler), and prints how many times each stage ran (traces,
+replays, the allocator's bisections) and the functions with the largest share of the profile's total: shares, not
+seconds. The profile is also written as `<output folder>/<MODEL>.pstats` for pstats' callers and callees.
 """
 import argparse
 import cProfile
@@ -76,8 +77,10 @@ def profile(model: str, output_dir: str, extra: List[str]) -> None:
     tune_batch.main(command(model, output_dir, *extra)[1:])
     profiler.disable()
     stats = pstats.Stats(profiler)
+    stats.dump_stats(os.path.join(output_dir, f'{model}.pstats'))  # for pstats' callers and callees
     total = stats.total_tt
-    print(f'\nProfile of tune_batch.py --model {model} --device cuda --mem-budget {BUDGET} --estimate {" ".join(extra)}')
+    print(f'\nProfile of tune_batch.py --model {model} --device cuda --mem-budget {BUDGET} --estimate',
+          *extra)
     print('Stage counts (calls) and shares of the profile (cumulative):')
     for label, (tail, name) in STAGES.items():
         calls = cumulative = 0

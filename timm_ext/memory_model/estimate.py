@@ -71,10 +71,9 @@ class MemoryEstimate:
             and `largest_batch` (None where the logs of two batch sizes did not line up: the lines answer).
         flops_per_sample: The traced update's FLOPs per sample (`torch.utils.flop_counter`'s formulas, at the
             largest batch, recomputed forwards included; 0 for a forward-only step).
-        weight_storages: Each storage the weights category counts, in the order the trace filed them (on CUDA the
-            first residents of the replay's log): (bytes, role), role 'trainable' (a parameter the optimizer steps),
-            'ema' (the EMA copy's) or 'fixed' (buffers, frozen parameters). The savers priced without a trace of
-            their own read it (`timm_ext.tune.saver_rules`).
+        weight_storages: (bytes, role) of each storage the weights category counts, in the order the trace filed
+            them (on CUDA the log's first residents), role 'trainable', 'ema' or 'fixed'
+            (`timm_ext.memory_model.step_facts.weight_storages`; the savers priced by a rule read it).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -267,7 +266,7 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
         return _trace(args, device_model(device_type, onednn), batches, step_kind).to_json()
-    except EstimateError as error:
+    except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
         torch.backends.mkldnn.enabled = mkldnn  # in-process (`in_child`), the caller's setting again
