@@ -155,11 +155,12 @@ class MemoryEstimate:
 
     def table(self, batch_sizes: Sequence[int], budget: Optional[int] = None) -> List[str]:
         """The per-batch table: predicted peak by category, the total, and its share of `budget`."""
-        names = list(self.categories(1))
+        splits = {b: self.categories(b) for b in batch_sizes}  # on CUDA each is a replay's bisection: once a size
+        names = list(splits[batch_sizes[0]] if batch_sizes else self.categories(1))
         head = f'{"batch":>7s} ' + ' '.join(f'{n:>12s}' for n in names) + f' {"peak":>11s}'
         rows = [head + ('  of budget' if budget else '')]
         for b in batch_sizes:
-            split = self.categories(b)
+            split = splits[b]
             counted = self.device.counted(split)
             share = f'  {counted / budget:9.0%}' if budget else ''
             rows.append(f'{b:>7d} ' + ' '.join(f'{format_bytes(max(0.0, split[n])):>12s}' for n in names)
