@@ -65,13 +65,16 @@ def time_models(models: List[str], repeats: int, output_dir: str, extra: List[st
 def profile(model: str, output_dir: str, extra: List[str]) -> None:
     """The command in this process under cProfile: how often each stage ran and the largest cumulative shares."""
     import timm_ext.memory_model.estimate as estimate
-    import timm_ext.memory_model.trace_pool as trace_pool
     import tune_batch
 
     def in_process(fn, *args):  # the trace in this process, so the profile sees it
         return json.loads(json.dumps(fn(*args)))
     estimate.in_child = in_process
-    trace_pool.fork_runs_autograd = lambda: False  # traces in this process run one after another
+    try:  # traces in this process run one after another (a tree from before the pool profiles as it is)
+        import timm_ext.memory_model.trace_pool as trace_pool
+        trace_pool.fork_runs_autograd = lambda: False
+    except ImportError:
+        pass
     profiler = cProfile.Profile()
     profiler.enable()
     tune_batch.main(command(model, output_dir, *extra)[1:])

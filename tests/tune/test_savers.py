@@ -294,12 +294,17 @@ def test_the_table_is_shown_where_the_plan_accumulates_or_when_asked(monkeypatch
     parser = load_tune_batch().build_tune_parser()
     argv = [*VIT, '--device', 'cpu', '--mem-budget', '1GiB', '--estimate', *argv]
     args, _ = parse_args(argv, parser=parser)
-    priced = []
-    monkeypatch.setattr(estimate_plan, 'estimate_each', lambda calls: [_lines_only(2 ** 20)] * len(calls))
+    priced, traced = [], []
+    monkeypatch.setattr(estimate_plan, 'estimate_each',
+                        lambda calls: traced.append(calls) or [_lines_only(2 ** 20)] * len(calls))
     monkeypatch.setattr(estimate_plan, 'price_savers', lambda *call: priced.append(call) or [])
     planned = estimate_plan.plan_with_estimate(args, given_dests(argv, parser))
     assert planned.plans[0].plan.accum_steps == (1 if '64' in argv else 8)  # about 900 samples fit 1 GiB
     assert bool(priced) == shown and any('Memory savers' in line for line in planned.lines) == shown
+    # --savers: the savers that need a trace (one AMP, checkpointing, a smaller input) beside the run's two
+    assert [len(calls) for calls in traced] == [5 if '--savers' in argv else 2]
+    if '--savers' in argv:
+        assert list(priced[0][-1]) == ['amp-float16', 'grad-checkpointing', 'smaller-img-size']
 
 
 @pytest.mark.parametrize('name', ['xception', 'mnasnet_b1', 'resnet50.no_such_tag'])

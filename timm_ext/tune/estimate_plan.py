@@ -27,7 +27,7 @@ from ..probe.table import NothingFitsError
 from ..train.input_checks import resume_problem
 from ..train.setup import SetupError
 from .plan import RunPlan, plan_run
-from .savers import PlanFor, PricedSaver, nothing_fits_advice, price_savers, savers_table
+from .savers import PlanFor, PricedSaver, nothing_fits_advice, price_savers, saver_trace_calls, savers_table
 from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 
 __all__ = ['EstimatedPlan', 'EstimatedRun', 'check_estimate_inputs', 'parse_budgets', 'plan_from_estimate',
@@ -226,9 +226,12 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
     onednn = onednn_runs(device_type)
-    estimate, eval_estimate = estimate_each([  # the update and train.py's evaluation, traced side by side
+    # the update and train.py's evaluation traced side by side, with the savers' traces where --savers asks already
+    early = saver_trace_calls(run_args, device_type, onednn) if getattr(args, 'savers', False) else {}
+    estimate, eval_estimate, *traced = estimate_each([
         dict(args=run_args, device_type=device_type, onednn=onednn),
-        dict(args=run_args, device_type=device_type, onednn=onednn, batches=EVAL_TRACE_BATCHES, step_kind='eval')])
+        dict(args=run_args, device_type=device_type, onednn=onednn, batches=EVAL_TRACE_BATCHES, step_kind='eval'),
+        *early.values()])
     if isinstance(estimate, EstimateError):
         raise estimate
     if isinstance(eval_estimate, EstimateError):  # the plan stands without it: train.py evaluates at the micro-batch
@@ -239,7 +242,8 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     chosen, savers = plans[0].plan, []
     if getattr(args, 'savers', False) or chosen is None or chosen.accum_steps > 1:  # the table where it can help
         savers = price_savers(run_args, device_type, onednn, estimate,
-                              _planner(run_args, device_type, budgets[0], world_size, recipe_global))
+                              _planner(run_args, device_type, budgets[0], world_size, recipe_global),
+                              dict(zip(early, traced)))
         lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
     if chosen is None:
         print('\n'.join(lines))

@@ -30,7 +30,7 @@ from .plan import RunPlan
 from .saver_rules import RuleError, host_ema, momentum_sgd, same_layout_bytes
 
 __all__ = ['SAVER_NAMES', 'EXPANDABLE_CONF', 'PlanFor', 'Saver', 'PricedSaver', 'candidate_savers', 'apply_savers',
-           'price_savers', 'savers_table', 'cheapest', 'nothing_fits_advice']
+           'price_savers', 'saver_trace_calls', 'savers_table', 'cheapest', 'nothing_fits_advice']
 
 SAVER_NAMES = ('amp-float16', 'amp-bfloat16', 'grad-checkpointing', 'channels-last', 'model-ema-force-cpu', 'opt-sgd',
                'expandable-segments', 'smaller-img-size')
@@ -145,8 +145,9 @@ def _all_savers(args: argparse.Namespace) -> Dict[str, Optional[Saver]]:
     }
 
 
-def candidate_savers(args: argparse.Namespace, device_type: str, base: MemoryEstimate) -> List[Saver]:
-    """The savers the run does not use yet and that its device and model offer, in `SAVER_NAMES` order."""
+def candidate_savers(args: argparse.Namespace, device_type: str, base: Optional[MemoryEstimate]) -> List[Saver]:
+    """The savers the run does not use yet and that its device and model offer, in `SAVER_NAMES` order (with no
+    `base` yet, those its arguments offer: SGD and expandable segments, which read the run's trace, left out)."""
     full_precision = not args.model_dtype or args.model_dtype == 'float32'
     offered = {
         'amp-float16': full_precision and not (args.amp and args.amp_dtype == 'float16'),
@@ -154,8 +155,8 @@ def candidate_savers(args: argparse.Namespace, device_type: str, base: MemoryEst
         'grad-checkpointing': not args.grad_checkpointing,
         'channels-last': not args.channels_last,
         'model-ema-force-cpu': device_type == 'cuda' and args.model_ema and not args.model_ema_force_cpu,
-        'opt-sgd': base.lines['optimizer'][0] > STATE_PER_GRADIENT * base.grad_bytes,
-        'expandable-segments': base.replay is not None and not expandable_segments_asked(),
+        'opt-sgd': base is not None and base.lines['optimizer'][0] > STATE_PER_GRADIENT * base.grad_bytes,
+        'expandable-segments': base is not None and base.replay is not None and not expandable_segments_asked(),
         'smaller-img-size': True,
     }
     savers = _all_savers(args)
@@ -187,7 +188,8 @@ def apply_savers(args: argparse.Namespace, names: SaverNames) -> Tuple[argparse.
 
 
 def price_savers(args: argparse.Namespace, device_type: str, onednn: bool, base: MemoryEstimate,
-                 plan_for: PlanFor) -> List[PricedSaver]:
+                 plan_for: PlanFor, traced: Optional[Dict[str, Union[MemoryEstimate, TimmExtError]]] = None
+                 ) -> List[PricedSaver]:
     """Each candidate saver (`candidate_savers`) priced and planned by `plan_for`, the run's own planning: from the
     run's own trace where a rule prices it (`timm_ext.tune.saver_rules`), else traced (side by side,
     `timm_ext.memory_model.trace_pool.estimate_each`).
@@ -198,9 +200,10 @@ def price_savers(args: argparse.Namespace, device_type: str, onednn: bool, base:
         onednn: CPU: whether oneDNN runs the convolutions.
         base: The run's own estimate (its FLOPs are the reference; its trace prices the rules' savers).
         plan_for: The micro-batch and plan an estimate gives under the run's budget.
+        traced: What `saver_trace_calls` asked for, traced already (beside the run's own trace), by saver name.
     """
     savers = candidate_savers(args, device_type, base)
-    estimates = _saver_estimates(args, device_type, onednn, base, savers)
+    estimates = _saver_estimates(args, device_type, onednn, base, savers, traced or {})
     rows = []
     for saver in savers:
         estimate = estimates[saver.name]
@@ -213,33 +216,44 @@ def price_savers(args: argparse.Namespace, device_type: str, onednn: bool, base:
     return rows
 
 
+def saver_trace_calls(args: argparse.Namespace, device_type: str, onednn: bool,
+                      savers: Optional[Sequence[Saver]] = None) -> Dict[str, dict]:
+    """`estimate_memory`'s arguments for each saver that needs a trace of its own, by name (of `savers`, else of
+    those the run's arguments offer): one AMP trace for both dtypes, none where the run autocasts already (2-byte
+    autocast either way: the run's own bytes), gradient checkpointing, a smaller input."""
+    calls = {}
+    for saver in candidate_savers(args, device_type, None) if savers is None else savers:
+        if saver.environment[0] or saver.name in PRICED_BY_RULE:
+            continue
+        if saver.name in AMP_SAVERS and (args.amp or any(name in AMP_SAVERS for name in calls)):
+            continue
+        calls[saver.name] = dict(args=with_values(args, **saver.values), device_type=device_type, onednn=onednn)
+    return calls
+
+
 def _saver_estimates(args: argparse.Namespace, device_type: str, onednn: bool, base: MemoryEstimate,
-                     savers: Sequence[Saver]) -> Dict[str, Union[MemoryEstimate, TimmExtError]]:
-    """Each saver's estimate (or why it has none): a rule's on the run's trace, the run's own for the AMP dtype the
-    run does not use when it autocasts to the other, one AMP trace for both dtypes, a trace each for the rest."""
-    found: Dict[str, Union[MemoryEstimate, TimmExtError]] = {}
-    traced: List[Saver] = []
+                     savers: Sequence[Saver], traced: Dict[str, Union[MemoryEstimate, TimmExtError]]
+                     ) -> Dict[str, Union[MemoryEstimate, TimmExtError]]:
+    """Each saver's estimate (or why it has none): its own trace (`saver_trace_calls`; those not in `traced` traced
+    here, side by side), a rule's on the run's trace, the AMP trace (or the run's) for both AMP dtypes."""
+    calls = saver_trace_calls(args, device_type, onednn, savers)
+    missing = [name for name in calls if name not in traced]
+    found = {**{name: traced[name] for name in calls if name in traced},
+             **dict(zip(missing, estimate_each([calls[name] for name in missing])))}
+    amp = next((found[name] for name in AMP_SAVERS if name in calls), base)
     for saver in savers:
+        if saver.name in found:
+            continue
         if saver.environment[0]:  # the same step on an allocator with expandable segments: no new trace
             found[saver.name] = MemoryEstimate.from_json(base.to_json(), base.device, ReplayConfig(expandable=True))
         elif saver.name in PRICED_BY_RULE:
             try:
                 found[saver.name] = PRICED_BY_RULE[saver.name](base)
             except RuleError:  # the trace lacks what the rule reads: trace the saver instead
-                traced.append(saver)
-        elif saver.name in AMP_SAVERS and args.amp:  # 2-byte autocast either way: the run's own bytes
-            found[saver.name] = base
-        elif saver.name in AMP_SAVERS and any(s.name in AMP_SAVERS for s in traced):
-            continue  # the AMP trace already asked for prices it
-        else:
-            traced.append(saver)
-    for saver, estimate in zip(traced, estimate_each([
-            dict(args=with_values(args, **s.values), device_type=device_type, onednn=onednn) for s in traced])):
-        found[saver.name] = estimate
-    amp_traced = [found[name] for name in AMP_SAVERS if name in found]
-    for saver in savers:
-        if saver.name not in found and saver.name in AMP_SAVERS:
-            found[saver.name] = amp_traced[0]
+                found[saver.name] = estimate_each([dict(args=with_values(args, **saver.values),
+                                                        device_type=device_type, onednn=onednn)])[0]
+        else:  # the other AMP dtype: the AMP trace's bytes, or the run's own where it autocasts already
+            found[saver.name] = amp
     return found
 
 
