@@ -20,7 +20,7 @@ import torch
 from ..errors import UsageError
 from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
-from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
+from ..memory_model.estimate import EstimateError, MemoryEstimate
 from ..memory_model.trace_pool import estimate_each
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
@@ -182,12 +182,12 @@ def probe_savers(args: argparse.Namespace, given: Set[str], device_type: str, wo
     onednn = onednn_runs(device_type)
     budget = parse_budgets(args.mem_budget or '1.0')[0]
     recipe_global, _ = recipe_global_batch(args, given, world_size)
-    try:
-        base = estimate_memory(args, device_type, onednn)
-    except EstimateError as e:
-        return ['', f'Memory savers: not priced ({e}).'], []
+    early = saver_trace_calls(args, device_type, onednn)  # traced beside the run's own
+    base, *traced = estimate_each([dict(args=args, device_type=device_type, onednn=onednn), *early.values()])
+    if isinstance(base, EstimateError):
+        return ['', f'Memory savers: not priced ({base}).'], []
     plan_for = _planner(args, device_type, budget, world_size, recipe_global)
-    rows = price_savers(args, device_type, onednn, base, plan_for)
+    rows = price_savers(args, device_type, onednn, base, plan_for, dict(zip(early, traced)))
     as_is = plan_for(base)
     lines = savers_table(rows, as_is, recipe_global)
     lines.insert(2, f'  The probe measured {probed} for the run as it is, the estimate predicts {as_is[0]}: read each '
