@@ -6,6 +6,7 @@ import re
 
 import pytest
 import timm
+import torch
 import yaml
 
 from conftest import REPO_ROOT, run_script
@@ -14,6 +15,7 @@ from timm_ext.memory_model.predict import CudaReplay
 from timm_ext.memory_model.devices import device_model, onednn_runs
 from timm_ext.memory_model.estimate import MemoryEstimate
 from timm_ext.memory_model.trace_pool import estimate_each
+from timm_ext.memory_model.kernel_limits import KernelSizes
 from timm_ext.memory_model.live_bytes import CATEGORIES
 from timm_ext.train.args import given_dests, parse_args
 from timm_ext.tune import estimate_plan
@@ -104,20 +106,20 @@ def test_sgd_priced_on_the_cpu_run_as_its_own_trace_prices_it(cpu_rows):
     assert cpu_rows['seen']['opt-sgd'].peak(64) < cpu_rows['base'].peak(64)  # AdamW's two states against one
 
 
-EFFICIENTNET = ['--model', 'test_efficientnet', '--num-classes', '10']  # contiguous depthwise convolutions
+RESNET = ['--model', 'test_resnet', '--num-classes', '10']
 AMP = ('--amp', '--amp-dtype', 'float16')
 CUDA_RUN = ('--opt', 'adamw', '--model-ema', *AMP)
 
 
 @pytest.fixture(scope='module')
 def cuda_traces():
-    """A CUDA run (test_efficientnet, AdamW, the EMA on the card, float16 autocast) traced as it is and with each
-    rule's saver on."""
+    """A CUDA run (test_resnet, AdamW, the EMA on the card, float16 autocast) traced as it is and with each rule's
+    saver on."""
     flags = {'base': CUDA_RUN, 'opt-sgd': ('--opt', 'sgd', '--model-ema', *AMP),
              'channels-last': (*CUDA_RUN, '--channels-last'),
              'model-ema-force-cpu': (*CUDA_RUN, '--model-ema-force-cpu'),
              'amp-bfloat16': ('--opt', 'adamw', '--model-ema', '--amp', '--amp-dtype', 'bfloat16')}
-    return dict(zip(flags, _traced(*[('cuda', f) for f in flags.values()], model=EFFICIENTNET)))
+    return dict(zip(flags, _traced(*[('cuda', f) for f in flags.values()], model=RESNET)))
 
 
 @pytest.mark.parametrize('name, rule', [('opt-sgd', momentum_sgd), ('model-ema-force-cpu', host_ema),
@@ -134,13 +136,21 @@ def test_a_rule_prices_its_saver_as_the_savers_own_trace_does(cuda_traces, name,
         assert derived.peak(8) < base.peak(8)
 
 
-def test_channels_last_depthwise_convolutions_take_the_strided_launch_limit(cuda_traces):
+def test_channels_last_depthwise_convolutions_take_the_strided_launch_limit():
     """timm_ext/memory_model/kernel_limits.py, `_signature`: a depthwise convolution's layout is read from
-    `input.is_contiguous()`, which a channels-last input is not: the rule's launch limits are the channels-last
-    trace's."""
-    base, channels_last = cuda_traces['base'], cuda_traces['channels-last']
-    assert base.kernel_sizes != channels_last.kernel_sizes  # 'contiguous' against 'strided'
-    assert same_layout_bytes(base).kernel_sizes == channels_last.kernel_sizes
+    `input.is_contiguous()`, which a channels-last input is not: the rule's launch limits are what the trace's
+    recorder (`KernelSizes`) records for the channels-last input."""
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1, groups=32)
+    recorded = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        with torch.no_grad(), KernelSizes() as sizes:
+            conv(torch.zeros(2, 32, 8, 8).contiguous(memory_format=memory_format))
+        recorded.append({name: size / 2 for name, size in sizes.sizes.items()})
+    as_is, channels_last = recorded
+    assert as_is == {'depthwise 3x3 contiguous': 2048.0} and channels_last == {'depthwise 3x3 strided': 2048.0}
+    run = MemoryEstimate({}, {}, device_model('cuda'), '', 0.0, kernel_sizes=as_is)
+    assert same_layout_bytes(run).kernel_sizes == channels_last
+    assert run.launch_limit[0] is None and same_layout_bytes(run).launch_limit[0] is not None  # cuDNN's, then 2**31
 
 
 def test_one_amp_trace_prices_both_half_dtypes(cuda_traces):
