@@ -38,6 +38,7 @@ from .kernel_limits import KernelSizes, launch_limit
 from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
 from .replay import ReplayConfig
+from .skipped_init import SkippedInit
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
@@ -185,7 +186,8 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
     estimate_args = with_values(args, sync_bn=False, torchcompile=None, device='cpu')
     lr = args.lr or args.lr_base
-    stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
+    with SkippedInit():  # the weights' values are replaced by fake storage below: not written at all
+        stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
     if device.name == 'cuda' and args.model_ema_force_cpu:  # its copy and its updates live on the host, not the card
         stack.task.trainable_module_ema = None
     input_size = probe_input_size(args, stack.data_config)
