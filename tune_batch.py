@@ -135,6 +135,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
     group.add_argument('--apply-saver', action=AppendSaver, default=None, choices=SAVER_NAMES, metavar='NAME',
                        help='plan with this memory saver on (repeatable) and write its stock flags into the config: '
                             + ', '.join(SAVER_NAMES) + '; the plan\'s savers table prices each one')
+    group.add_argument('--savers', action='store_true', default=False,
+                       help='print the memory savers\' table (what each saver the run does not use yet would give) '
+                            'even where the plan neither accumulates nor misses the budget')
     add_snapshot_argument(group)
     return parser
 
@@ -244,7 +247,8 @@ def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[s
     # the recipe's micro-batch does not fit the memory (a trial failed it): what each memory saver would give instead
     memory_bound = tuned.outcome is not None and any(trial.accepted is False for trial in tuned.outcome.trials)
     saver_lines = probe_savers(args, given, device.type, world_size, tuned.plan.micro_batch)[0] if (
-        memory_bound and tuned.plan.accum_steps > 1 and not args.distributed and tuned.size_batches is None) else []
+        (args.savers or memory_bound and tuned.plan.accum_steps > 1) and not args.distributed
+        and tuned.size_batches is None) else []
 
     values = dict(tuned.schedule)
     if tuned.eval_batch is not None:

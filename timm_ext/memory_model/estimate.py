@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..child_process import call_uncapped
+from ..errors import TimmExtError
 from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
@@ -36,6 +37,8 @@ from .events import EventLog
 from .kernel_limits import KernelSizes
 from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
+from .skipped_init import SkippedInit
+from .step_facts import FlopCount, weight_storages
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
@@ -59,13 +62,13 @@ def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
 def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int], step_kind: str) -> MemoryEstimate:
     """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     started = time.perf_counter()
     # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
     estimate_args = with_values(args, sync_bn=False, torchcompile=None, device='cpu')
     lr = args.lr or args.lr_base
-    stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
+    with SkippedInit():  # the weights' values are replaced by fake storage below: not written at all
+        stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
     if device.name == 'cuda' and args.model_ema_force_cpu:  # its copy and its updates live on the host, not the card
         stack.task.trainable_module_ema = None
     input_size = probe_input_size(args, stack.data_config)
@@ -75,7 +78,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
-    flops = FlopCounterMode(display=False)
+    flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs
     try:
         with mode:
             stack.task.to_empty(device=CPU)
@@ -87,6 +90,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                                                                               no_grad=torch.no_grad)
             params = [p for p in stack.task.get_trainable_module().parameters() if p.requires_grad]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
+            storages = weight_storages(weights, params, getattr(stack.task, 'trainable_module_ema', None))
             if device.name == 'cuda':  # the ordered log the allocator replay reads
                 tracker = EventLog(stack.task.parameters(), weights, dict(stack.task.named_modules()),
                                    allocated=device.allocated)
@@ -102,14 +106,14 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                     for batch_size in batches:
                         tracker.reset_peak()
                         start = tracker.mark() if device.name == 'cuda' else 0
-                        step(batch_size)
+                        # the FLOPs counted in the largest traced step (the counter adds no op to the log)
+                        with flops if batch_size == counted_at else contextlib.nullcontext():
+                            step(batch_size)
                         steps[batch_size] = start, tracker.mark() if device.name == 'cuda' else 0
                         order.append(steps[batch_size])
                         traced[batch_size] = dict(tracker.peak)
             finally:
                 tracker.remove_hooks()
-            with flops:  # a step of its own: the counter's module hooks would add ops to the tracked logs
-                step(max(batches))
     except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
         text = ' '.join(str(e).split())[:200]
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
@@ -122,7 +126,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
     log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
     return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
-                          CudaReplay(log) if log else None, flops.get_total_flops() / max(batches))
+                          CudaReplay(log) if log else None, flops.total / max(batches), storages)
 
 
 def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:
@@ -146,7 +150,7 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
         return _trace(args, device_model(device_type, onednn), batches, step_kind).to_json()
-    except EstimateError as error:
+    except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
         torch.backends.mkldnn.enabled = mkldnn  # in-process (`in_child`), the caller's setting again

@@ -36,9 +36,12 @@ class MemoryEstimate:
         kernel_sizes: CUDA: per sample, the sizes that bound the batch whatever the memory
             (`timm_ext.memory_model.kernel_limits`).
         replay: CUDA: the step's event log on the caching allocator (`timm_ext.memory_model`), which answers `peak`
-            and `largest_batch` (None where the logs of two batch sizes did not line up: the lines answer).
-        flops_per_sample: The traced step's FLOPs per sample (`torch.utils.flop_counter`, at the largest batch;
-            recomputed forwards included).
+            and `largest_batch`, at any batch (None off CUDA: the lines answer).
+        flops_per_sample: The traced update's FLOPs per sample (`torch.utils.flop_counter`'s formulas, at the
+            largest batch, recomputed forwards included; 0 for a forward-only step).
+        weight_storages: (bytes, role) of each storage the weights category counts, in the order the trace filed
+            them (on CUDA the log's first residents), role 'trainable', 'ema' or 'fixed'
+            (`timm_ext.memory_model.step_facts.weight_storages`; the savers priced by a rule read it).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -49,12 +52,14 @@ class MemoryEstimate:
     kernel_sizes: Dict[str, float] = dataclasses.field(default_factory=dict)
     replay: Optional[CudaReplay] = None
     flops_per_sample: float = 0.0
+    weight_storages: List[Tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         """The estimate as JSON's types (what a trace's child sends back and the benchmarks cache), device aside."""
         return dict(lines=self.lines, traced=self.traced, describe=self.describe, seconds=self.seconds,
                     grad_bytes=self.grad_bytes, kernel_sizes=self.kernel_sizes,
-                    log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample)
+                    log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample,
+                    weight_storages=self.weight_storages)
 
     @classmethod
     def from_json(cls, data: dict, device: DeviceModel,
@@ -66,7 +71,8 @@ class MemoryEstimate:
             replay = CudaReplay(data['log'], replay_config or run_config(device.compute_capability))
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
-                   data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0))
+                   data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0),
+                   [tuple(storage) for storage in data.get('weight_storages', [])])
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.

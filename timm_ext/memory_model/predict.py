@@ -41,6 +41,7 @@ class CudaReplay:
     _scaled: Optional[ScaledLog] = field(default=None, repr=False)
     _least: Dict[Tuple[int, bool], int] = field(default_factory=dict, repr=False)
     _split: Dict[Tuple[int, bool], Dict[str, int]] = field(default_factory=dict, repr=False)
+    _largest: Dict[tuple, int] = field(default_factory=dict, repr=False)
 
     @property
     def scaled(self) -> ScaledLog:
@@ -106,8 +107,13 @@ class CudaReplay:
 
     def largest_batch(self, capacity: float, guess: int, accumulating: bool = False,
                       limit: Optional[int] = None) -> int:
-        """The largest batch that runs in `capacity` bytes of allocator memory (0: not even 1)."""
-        return replays.largest_batch(self.log_at, int(capacity), guess, self._config(accumulating), limit)
+        """The largest batch that runs in `capacity` bytes of allocator memory (0: not even 1), searched from
+        `guess` (memoized with it: the savers' rules share the run's replay)."""
+        key = (int(capacity), guess, accumulating, limit)
+        if key not in self._largest:
+            self._largest[key] = replays.largest_batch(self.log_at, int(capacity), guess,
+                                                       self._config(accumulating), limit)
+        return self._largest[key]
 
 
 class _SplitAtPeak(CachingAllocator):

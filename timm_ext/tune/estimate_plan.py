@@ -9,7 +9,9 @@ the largest micro-batch, on `--nproc` x `--nnodes` ranks. A plan that accumulate
 peak of a micro-batch after a window's first, which starts with the gradients resident. train.py's evaluation between
 epochs is estimated too (forward only, the optimizer state resident): its largest batch within the same limit, up to
 `EVAL_MAX_FACTOR` micro-batches, becomes `validation_batch_size`. Several budgets give a "what fits where" table; the
-first budget's plan is the one written as the YAML config and train command.
+first budget's plan is the one written as the YAML config and train command. The memory savers' table
+(`timm_ext.tune.savers`) follows where the first budget's plan accumulates, where nothing fits, or when `--savers`
+asks for it; the update and the evaluation are traced side by side (`timm_ext.memory_model.trace_pool`).
 """
 import argparse
 from dataclasses import dataclass
@@ -23,13 +25,14 @@ from ..memory_model.allocator_config import allocator_config
 from ..memory_model.cards import find_card
 from ..memory_model.nccl import NCCL_ASSUMPTION, nccl_buffer_bytes
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
-from ..memory_model.estimate import EstimateError, MemoryEstimate, estimate_memory
+from ..memory_model.estimate import EstimateError, MemoryEstimate
+from ..memory_model.trace_pool import estimate_each
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
 from ..train.input_checks import resume_problem
 from ..train.setup import SetupError
 from .plan import RunPlan, plan_run
-from .savers import PlanFor, PricedSaver, nothing_fits_advice, price_savers, savers_table
+from .savers import PlanFor, PricedSaver, nothing_fits_advice, price_savers, saver_trace_calls, savers_table
 from .tuner import EVAL_MAX_FACTOR, recipe_global_batch
 
 __all__ = ['EstimatedPlan', 'EstimatedRun', 'check_estimate_inputs', 'parse_budgets', 'plan_from_estimate',
@@ -213,12 +216,12 @@ def probe_savers(args: argparse.Namespace, given: Set[str], device_type: str, wo
     onednn = onednn_runs(device_type)
     budget = parse_budgets(args.mem_budget or '1.0')[0]
     recipe_global, _ = recipe_global_batch(args, given, world_size)
-    try:
-        base = estimate_memory(args, device_type, onednn)
-    except EstimateError as e:
-        return ['', f'Memory savers: not priced ({e}).'], []
+    early = saver_trace_calls(args, device_type, onednn)  # traced beside the run's own
+    base, *traced = estimate_each([dict(args=args, device_type=device_type, onednn=onednn), *early.values()])
+    if isinstance(base, EstimateError):
+        return ['', f'Memory savers: not priced ({base}).'], []
     plan_for = _planner(args, device_type, budget, world_size, recipe_global)
-    rows = price_savers(args, device_type, onednn, base, plan_for)
+    rows = price_savers(args, device_type, onednn, base, plan_for, dict(zip(early, traced)))
     as_is = plan_for(base)
     lines = savers_table(rows, as_is, recipe_global)
     lines.insert(2, f'  The probe measured {probed} for the run as it is, the estimate predicts {as_is[0]}: read each '
@@ -259,18 +262,25 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
     onednn = onednn_runs(device_type)
-    estimate = estimate_memory(run_args, device_type, onednn)
-    try:
-        eval_estimate = estimate_memory(run_args, device_type, onednn, EVAL_TRACE_BATCHES, step_kind='eval')
-    except EstimateError:  # the plan stands without it: train.py then evaluates at the micro-batch
+    # the update and train.py's evaluation traced side by side, with the savers' traces where --savers asks already
+    early = saver_trace_calls(run_args, device_type, onednn) if getattr(args, 'savers', False) else {}
+    estimate, eval_estimate, *traced = estimate_each([
+        dict(args=run_args, device_type=device_type, onednn=onednn),
+        dict(args=run_args, device_type=device_type, onednn=onednn, batches=EVAL_TRACE_BATCHES, step_kind='eval'),
+        *early.values()])
+    if isinstance(estimate, EstimateError):
+        raise estimate
+    if isinstance(eval_estimate, EstimateError):  # the plan stands without it: train.py evaluates at the micro-batch
         eval_estimate = None
     recipe_global, _ = recipe_global_batch(args, given, world_size)
     plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global, eval_estimate)
     lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc, eval_estimate)
-    savers = price_savers(run_args, device_type, onednn, estimate,
-                          _planner(run_args, device_type, budgets[0], world_size, recipe_global))
-    lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
-    chosen = plans[0].plan
+    chosen, savers = plans[0].plan, []
+    if getattr(args, 'savers', False) or chosen is None or chosen.accum_steps > 1:  # the table where it can help
+        savers = price_savers(run_args, device_type, onednn, estimate,
+                              _planner(run_args, device_type, budgets[0], world_size, recipe_global),
+                              dict(zip(early, traced)))
+        lines += savers_table(savers, (plans[0].micro_batch, plans[0].plan), recipe_global)
     if chosen is None:
         print('\n'.join(lines))
         advice, details = nothing_fits_advice(savers)

@@ -2,12 +2,15 @@
 
 When the recipe's micro-batch does not fit, the user has choices besides accumulation: mixed precision, gradient
 checkpointing, channels_last, the EMA on the host, an optimizer with less state, expandable allocator segments, a
-smaller input. `price_savers` traces the run's step once per saver the run does not use yet
-(`timm_ext.memory_model.estimate`, fake tensors, no device) and plans each as the run's own plan is made (the caller's
-`plan_for`); expandable segments replay the run's own CUDA trace on an allocator that has them. The extra compute is
-the traced step's FLOPs per sample against the run's (`torch.utils.flop_counter`: checkpointing's recomputed forwards).
-`savers_table` is a fact sheet: it names the row that gives the recipe's batch in one step at the least extra compute
-and leaves the choice to the user; `--apply-saver NAME` (`apply_savers`) puts a saver's stock flags into the run.
+smaller input. `price_savers` prices each saver the run does not use yet and plans it as the run's own plan is made
+(the caller's `plan_for`). A saver that changes only where or how the step's bytes live is read off the run's own
+trace by a stated rule (`timm_ext.tune.saver_rules`: channels-last, SGD, the EMA on the host; expandable segments
+replay the run's own CUDA trace on an allocator that has them); the others are traced on fake tensors
+(`timm_ext.memory_model.estimate`), side by side where cores are free, one trace for both AMP dtypes. The extra compute
+is the traced step's FLOPs per sample against the run's (`torch.utils.flop_counter`: checkpointing's recomputed
+forwards). `savers_table` is a fact sheet: it names the row that gives the recipe's batch in one step at the least
+extra compute and leaves the choice to the user; `--apply-saver NAME` (`apply_savers`) puts a saver's stock flags into
+the run. tune_batch.py shows it where the plan accumulates, where nothing fits, and with `--savers`.
 """
 import argparse
 import os
@@ -15,15 +18,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
+from timm.models import PretrainedCfg
 
-from ..memory_model.allocator_config import expandable_setting
 from ..errors import TimmExtError, UsageError, one_line
-from ..memory_model.estimate import MemoryEstimate, estimate_memory
+from ..memory_model.allocator_config import expandable_setting
+from ..memory_model.estimate import MemoryEstimate
+from ..memory_model.predict import CudaReplay
+from ..memory_model.trace_pool import estimate_each
 from ..train.setup import with_values
 from .plan import RunPlan
+from .saver_rules import RuleError, host_ema, momentum_sgd, same_layout_bytes
 
 __all__ = ['SAVER_NAMES', 'EXPANDABLE_CONF', 'PlanFor', 'Saver', 'PricedSaver', 'candidate_savers', 'apply_savers',
-           'price_savers', 'savers_table', 'cheapest', 'nothing_fits_advice']
+           'price_savers', 'saver_trace_calls', 'savers_table', 'cheapest', 'nothing_fits_advice']
 
 SAVER_NAMES = ('amp-float16', 'amp-bfloat16', 'grad-checkpointing', 'channels-last', 'model-ema-force-cpu', 'opt-sgd',
                'expandable-segments', 'smaller-img-size')
@@ -34,6 +41,10 @@ SMALLER_SIDE = 0.75  # the smaller input's side, of the run's, down to a multipl
 SIDE_STEP = 32
 # an optimizer holding more than this many bytes of state per byte of gradient is offered SGD (one momentum buffer)
 STATE_PER_GRADIENT = 1.5
+
+AMP_SAVERS = ('amp-float16', 'amp-bfloat16')
+# the savers a rule prices from the run's own trace (timm_ext.tune.saver_rules)
+PRICED_BY_RULE = {'channels-last': same_layout_bytes, 'opt-sgd': momentum_sgd, 'model-ema-force-cpu': host_ema}
 
 PlanFor = Callable[[MemoryEstimate], Tuple[int, Optional[RunPlan]]]
 
@@ -79,11 +90,26 @@ class PricedSaver:
         return self.plan is not None and self.plan.accum_steps == 1 and self.plan.exact is not False
 
 
+def _model_cfg(name: str) -> PretrainedCfg:
+    """The pretrained config timm builds the model `name` with: the name's own; a deprecated name's current one
+    (`timm.models.get_deprecated_models`: xception is legacy_xception.tf_in1k); else timm's defaults, which
+    `timm.models._builder.resolve_pretrained_cfg` falls back to when none is registered (`PretrainedCfg()`). A name
+    timm refuses (an unknown tag) gets the defaults here: building the run refuses it in one line."""
+    try:
+        cfg = timm.models.get_pretrained_cfg(name)
+        current = timm.models.get_deprecated_models().get(name)
+        if cfg is None and current:
+            cfg = timm.models.get_pretrained_cfg(current)
+    except RuntimeError:  # an invalid pretrained tag
+        cfg = None
+    return cfg or PretrainedCfg()
+
+
 def _input_side(args: argparse.Namespace) -> int:
     """The side of the run's training input: --input-size, --img-size, else the model's default."""
     if args.input_size:
         return args.input_size[-1]
-    return args.img_size or timm.models.get_pretrained_cfg(args.model).input_size[-1]
+    return args.img_size or _model_cfg(args.model).input_size[-1]
 
 
 def _smaller_input(args: argparse.Namespace) -> Optional[Saver]:
@@ -96,7 +122,7 @@ def _smaller_input(args: argparse.Namespace) -> Optional[Saver]:
     if args.input_size:
         values['input_size'] = [args.input_size[0], side, side]
         flags = f'--input-size {args.input_size[0]} {side} {side}'
-    if timm.models.get_pretrained_cfg(args.model).fixed_input_size:  # a ViT's patch grid is built for one size
+    if _model_cfg(args.model).fixed_input_size:  # a ViT's patch grid is built for one size
         values['model_kwargs'] = {**args.model_kwargs, 'img_size': side}
         flags += f' --model-kwargs img_size={side}'
     return Saver('smaller-img-size', flags, values, f'changes: trains at {side} px')
@@ -130,8 +156,9 @@ def _all_savers(args: argparse.Namespace) -> Dict[str, Optional[Saver]]:
     }
 
 
-def candidate_savers(args: argparse.Namespace, device_type: str, base: MemoryEstimate) -> List[Saver]:
-    """The savers the run does not use yet and that its device and model offer, in `SAVER_NAMES` order."""
+def candidate_savers(args: argparse.Namespace, device_type: str, base: Optional[MemoryEstimate]) -> List[Saver]:
+    """The savers the run does not use yet and that its device and model offer, in `SAVER_NAMES` order (with no
+    `base` yet, those its arguments offer: SGD and expandable segments, which read the run's trace, left out)."""
     full_precision = not args.model_dtype or args.model_dtype == 'float32'
     offered = {
         'amp-float16': full_precision and not (args.amp and args.amp_dtype == 'float16'),
@@ -139,8 +166,9 @@ def candidate_savers(args: argparse.Namespace, device_type: str, base: MemoryEst
         'grad-checkpointing': not args.grad_checkpointing,
         'channels-last': not args.channels_last,
         'model-ema-force-cpu': device_type == 'cuda' and args.model_ema and not args.model_ema_force_cpu,
-        'opt-sgd': base.lines['optimizer'][0] > STATE_PER_GRADIENT * base.grad_bytes,
-        'expandable-segments': base.replay is not None and not base.replay.config.allocator.expandable_segments,
+        'opt-sgd': base is not None and base.lines['optimizer'][0] > STATE_PER_GRADIENT * base.grad_bytes,
+        'expandable-segments': (base is not None and base.replay is not None
+                                and not base.replay.config.allocator.expandable_segments),
         'smaller-img-size': True,
     }
     savers = _all_savers(args)
@@ -182,33 +210,80 @@ def apply_savers(args: argparse.Namespace, names: SaverNames) -> Tuple[argparse.
 
 
 def price_savers(args: argparse.Namespace, device_type: str, onednn: bool, base: MemoryEstimate,
-                 plan_for: PlanFor) -> List[PricedSaver]:
-    """Each candidate saver (`candidate_savers`) traced and planned by `plan_for`, the run's own planning.
+                 plan_for: PlanFor, traced: Optional[Dict[str, Union[MemoryEstimate, TimmExtError]]] = None
+                 ) -> List[PricedSaver]:
+    """Each candidate saver (`candidate_savers`) priced and planned by `plan_for`, the run's own planning: from the
+    run's own trace where a rule prices it (`timm_ext.tune.saver_rules`), else traced (side by side,
+    `timm_ext.memory_model.trace_pool.estimate_each`).
 
     Args:
         args: The run's arguments, as `estimate_memory` takes them.
         device_type: 'cpu' or 'cuda'.
         onednn: CPU: whether oneDNN runs the convolutions.
-        base: The run's own estimate (its FLOPs are the reference; its CUDA trace is replayed for expandable
-            segments).
+        base: The run's own estimate (its FLOPs are the reference; its trace prices the rules' savers).
         plan_for: The micro-batch and plan an estimate gives under the run's budget.
+        traced: What `saver_trace_calls` asked for, traced already (beside the run's own trace), by saver name.
     """
+    savers = candidate_savers(args, device_type, base)
+    estimates = _saver_estimates(args, device_type, onednn, base, savers, traced or {})
     rows = []
-    for saver in candidate_savers(args, device_type, base):
-        if saver.environment[0]:  # the same step on an allocator with expandable segments: no new trace
-            config = base.replay.config
-            config = replace(config, allocator=replace(config.allocator, expandable_segments=True))
-            estimate = MemoryEstimate.from_json(base.to_json(), base.device, config)
-        else:
-            try:
-                estimate = estimate_memory(with_values(args, **saver.values), device_type, onednn)
-            except TimmExtError as e:  # the model does not support it, or the step cannot be traced with it
-                rows.append(PricedSaver(saver, problem=one_line(e)[:120]))
-                continue
+    for saver in savers:
+        estimate = estimates[saver.name]
+        if isinstance(estimate, TimmExtError):  # the model does not support it, or the step cannot be traced with it
+            rows.append(PricedSaver(saver, problem=one_line(estimate)[:120]))
+            continue
         micro, plan = plan_for(estimate)
         extra = estimate.flops_per_sample / base.flops_per_sample - 1 if base.flops_per_sample else 0.0
         rows.append(PricedSaver(saver, micro, plan, extra))
     return rows
+
+
+def saver_trace_calls(args: argparse.Namespace, device_type: str, onednn: bool,
+                      savers: Optional[Sequence[Saver]] = None) -> Dict[str, dict]:
+    """`estimate_memory`'s arguments for each saver that needs a trace of its own, by name (of `savers`, else of
+    those the run's arguments offer): one AMP trace for both dtypes, none where the run autocasts already (2-byte
+    autocast either way: the run's own bytes), gradient checkpointing, a smaller input."""
+    calls = {}
+    for saver in candidate_savers(args, device_type, None) if savers is None else savers:
+        if saver.environment[0] or saver.name in PRICED_BY_RULE:
+            continue
+        if saver.name in AMP_SAVERS and (args.amp or any(name in AMP_SAVERS for name in calls)):
+            continue
+        calls[saver.name] = dict(args=with_values(args, **saver.values), device_type=device_type, onednn=onednn)
+    return calls
+
+
+def _saver_estimates(args: argparse.Namespace, device_type: str, onednn: bool, base: MemoryEstimate,
+                     savers: Sequence[Saver], traced: Dict[str, Union[MemoryEstimate, TimmExtError]]
+                     ) -> Dict[str, Union[MemoryEstimate, TimmExtError]]:
+    """Each saver's estimate (or why it has none): its own trace (`saver_trace_calls`; those not in `traced` traced
+    here, side by side), a rule's on the run's trace, the AMP trace (or the run's) for both AMP dtypes."""
+    calls = saver_trace_calls(args, device_type, onednn, savers)
+    missing = [name for name in calls if name not in traced]
+    found = {**{name: traced[name] for name in calls if name in traced},
+             **dict(zip(missing, estimate_each([calls[name] for name in missing])))}
+    amp = next((found[name] for name in AMP_SAVERS if name in calls), base)
+    for saver in savers:
+        if saver.name in found:
+            continue
+        if saver.environment[0]:  # the same step on an allocator with expandable segments: no new trace
+            found[saver.name] = _on_expandable_segments(base)
+        elif saver.name in PRICED_BY_RULE:
+            try:
+                found[saver.name] = PRICED_BY_RULE[saver.name](base)
+            except RuleError:  # the trace lacks what the rule reads: trace the saver instead
+                found[saver.name] = estimate_each([dict(args=with_values(args, **saver.values),
+                                                        device_type=device_type, onednn=onednn)])[0]
+        else:  # the other AMP dtype: the AMP trace's bytes, or the run's own where it autocasts already
+            found[saver.name] = amp
+    return found
+
+
+def _on_expandable_segments(base: MemoryEstimate) -> MemoryEstimate:
+    """The run's own step replayed on an allocator with expandable segments (its other options kept)."""
+    config = base.replay.config
+    config = replace(config, allocator=replace(config.allocator, expandable_segments=True))
+    return replace(base, replay=CudaReplay(base.replay.log, config, retrace=base.replay.retrace))
 
 
 def cheapest(rows: Sequence[PricedSaver], one_step: bool) -> Optional[PricedSaver]:
