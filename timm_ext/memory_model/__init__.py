@@ -8,5 +8,6 @@ One module a stage, each importing only the stages before it (nothing from `prob
 * `allocator`, `replay`: PyTorch's caching allocator, and the step replayed on it;
 * `snapshot`: the replay written as `torch.cuda.memory._snapshot()` writes a real one;
 * `devices`: what each device type adds, and its assumptions;
+* `fake_weights`, `step_flops`: the built model moved onto fake tensors, and the traced step's FLOPs;
 * `estimate`: train.py's or validate.py's step traced and answered (`estimate_memory`), `predict`: its CUDA replay.
 """

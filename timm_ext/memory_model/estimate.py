@@ -10,7 +10,7 @@ into weights, gradients, optimizer state, activations and temporaries. Each cate
 (`timm_ext.memory_model.devices`).
 
 The model is built for real (timm models read tensor values while they are built, which fake tensors refuse) and
-then moved onto fake tensors (`to_empty`): the weights cost their real size once, the activations nothing. A model
+then moved onto fake tensors (`fake_weights`, `to_empty` for shared modules): the weights cost their real size once, the activations nothing. A model
 whose forward reads tensor values (data-dependent shapes, `.item()`) or runs kernels fake tensors do not know cannot
 be traced: `EstimateError` says so in one line and the caller probes without the estimate. float16's loss scaler is
 left out of the trace (its overflow check reads a value; it holds two scalars and unscales in place).
@@ -33,10 +33,12 @@ from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop
 from .autocast_casts import CudaAutocastCasts
 from .devices import DeviceModel, device_model
 from .events import EventLog
+from .fake_weights import fake_weights
 from .kernel_limits import KernelSizes, launch_limit
 from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
 from .replay import ReplayConfig
+from .step_flops import step_flops
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
@@ -172,7 +174,6 @@ def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
 def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int], step_kind: str) -> MemoryEstimate:
     """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     started = time.perf_counter()
     # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
@@ -188,10 +189,9 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
-    flops = FlopCounterMode(display=False)
     try:
         with mode:
-            stack.task.to_empty(device=CPU)
+            fake_weights(stack.task, CPU)
             stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
                                         grad_scaler=None)
             train_step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)
@@ -221,8 +221,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                         traced[batch_size] = dict(tracker.peak)
             finally:
                 tracker.remove_hooks()
-            with flops:  # a step of its own: the counter's module hooks would add ops to the tracked logs
-                step(max(batches))
+            flops = step_flops(step, max(batches), () if step_kind == 'train' else [*stack.task.parameters()])
     except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
         text = ' '.join(str(e).split())[:200]
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
@@ -235,7 +234,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
     log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
     return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
-                          CudaReplay(log) if log else None, flops.get_total_flops() / max(batches))
+                          CudaReplay(log) if log else None, flops / max(batches))
 
 
 def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:
