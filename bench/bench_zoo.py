@@ -1,18 +1,19 @@
 """The whole zoo: one model of every timm family traced on the CUDA estimate path, forward only and training.
 
     python bench/bench_zoo.py                                   # every family, both modes, into docs/zoo.csv
-    python bench/bench_zoo.py --families resnet,vit --modes validate
+    python bench/bench_zoo.py --families resnet,cait --modes validate
     python bench/bench_zoo.py --limit 10 --batches 2,4 --timeout 300
     python bench/bench_zoo.py --report                          # the counts of the CSV as it stands
 
 A family is a module of `timm.models` (the module of the model's entry point). Its model is the smallest by name:
 the size words timm's families use (atto < femto < pico < nano < ... < small < base), then its default input's
-pixels, then the largest number in the name (depth, width or input size), then the name; timm's own `test_*` models are left out (they are no model a user runs). Each model is
-traced at its default input size on the path `tune_batch.py --estimate --device cuda --amp` takes
-(`timm_ext.memory_model.estimate.estimate_memory(args, 'cuda', ...)`): step 'validate' (validate.py's forward with
-the weights alone) and step 'train' (train.py's update). Each trace runs in a process of its own under `--timeout`;
-the CSV gets one row per family and mode: ok, the error's class and one-line message, or timeout. Rows already in
-the CSV are skipped, so a stopped run resumes where it left off (`--fresh` starts over).
+pixels, then the largest number in the name (depth, width or input size), then the name; timm's own `test_*` models
+are left out (they are no model a user runs). Each model is traced at its default input size on the path
+`tune_batch.py --estimate --device cuda --amp` takes (`timm_ext.memory_model.estimate.estimate_memory(args, 'cuda',
+...)`): step 'validate' (validate.py's forward with the weights alone) and step 'train' (train.py's update). Each
+trace runs in a process of its own under `--timeout`; the CSV gets one row per family and mode: ok, the error's
+class and one-line message, or timeout. Rows already in the CSV are skipped, so a stopped run resumes where it left
+off (`--fresh` starts over).
 """
 import argparse
 import csv

@@ -10,8 +10,8 @@ into weights, gradients, optimizer state, activations and temporaries. Each cate
 (`timm_ext.memory_model.devices`).
 
 The model is built for real (timm models read tensor values while they are built, which fake tensors refuse) and
-then moved onto fake tensors (`fake_weights`: `to_empty`, each shared module once): the weights cost their real size
-once, the activations nothing. A model whose forward reads tensor values (data-dependent shapes, `.item()`) or runs kernels fake tensors do not know cannot
+then moved onto fake tensors (`to_empty`): the weights cost their real size once, the activations nothing. A model
+whose forward reads tensor values (data-dependent shapes, `.item()`) or runs kernels fake tensors do not know cannot
 be traced: `EstimateError` says so in one line and the caller probes without the estimate. float16's loss scaler is
 left out of the trace (its overflow check reads a value; it holds two scalars and unscales in place).
 """
