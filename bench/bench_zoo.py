@@ -3,6 +3,7 @@
     python bench/bench_zoo.py                                   # every family, both modes, into docs/zoo.csv
     python bench/bench_zoo.py --families resnet,cait --modes validate
     python bench/bench_zoo.py --limit 10 --batches 2,4 --timeout 300
+    python bench/bench_zoo.py --shard 1/2 --output /tmp/zoo.1.csv   # every other family, from the second
     python bench/bench_zoo.py --report                          # the counts of the CSV as it stands
 
 A family is a module of `timm.models` (the module of the model's entry point). Its model is the smallest by name:
@@ -10,10 +11,10 @@ the size words timm's families use (atto < femto < pico < nano < ... < small < b
 pixels, then the largest number in the name (depth, width or input size), then the name; timm's own `test_*` models
 are left out (they are no model a user runs). Each model is traced at its default input size on the path
 `tune_batch.py --estimate --device cuda --amp` takes (`timm_ext.memory_model.estimate.estimate_memory(args, 'cuda',
-...)`): step 'validate' (validate.py's forward with the weights alone) and step 'train' (train.py's update). Each
-trace runs in a process of its own under `--timeout`; the CSV gets one row per family and mode: ok, the error's
-class and one-line message, or timeout. Rows already in the CSV are skipped, so a stopped run resumes where it left
-off (`--fresh` starts over).
+...)`): step 'validate' (validate.py's forward with the weights alone) and step 'train' (train.py's update; an
+encoder without a head, num_classes 0, with `--num-classes 1000`). Each trace runs in a process of its own under
+`--timeout`; the CSV gets one row per family and mode: ok, the error's class and one-line message, or timeout. Rows
+already in the CSV are skipped, so a stopped run resumes where it left off (`--fresh` starts over).
 """
 import argparse
 import csv
@@ -65,10 +66,13 @@ def families() -> Dict[str, str]:
 def trace_one(model: str, mode: str, batches: Sequence[int]) -> dict:
     """One model's estimate as `tune_batch.py --estimate --device cuda --amp` runs it: ok, or the error's class and
     its message on one line."""
+    from timm.models import get_pretrained_cfg
     from timm_ext.memory_model.estimate import estimate_memory
     from timm_ext.train.args import parse_args
+    # an encoder without a head (num_classes 0) trains with one, as train.py on ImageNet-1k gives it
+    head = ['--num-classes', '1000'] if mode == 'train' and get_pretrained_cfg(model).num_classes == 0 else []
     try:
-        args, _ = parse_args(['--model', model, '--device', 'cuda', '--amp'])
+        args, _ = parse_args(['--model', model, '--device', 'cuda', '--amp', *head])
         args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
         estimate_memory(args, 'cuda', batches=batches, step_kind=mode)
     except Exception as e:  # the bench records every failure, whichever class
@@ -120,6 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--batches', default='2,4', help='trace batch sizes, comma separated (at least two)')
     parser.add_argument('--families', default='', help='comma-separated families (default: all)')
     parser.add_argument('--limit', type=int, default=0, help='the first N families only')
+    parser.add_argument('--shard', default='0/1', help='i/n: every n-th family from the i-th (n processes in parallel, '
+                        'each with its own --output)')
     parser.add_argument('--modes', default=','.join(MODES), help='validate, train or both')
     parser.add_argument('--timeout', type=float, default=600, help='seconds a trace may take')
     parser.add_argument('--output', default=OUTPUT)
@@ -140,6 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         chosen = {f: m for f, m in chosen.items() if f in args.families.split(',')}
     if args.limit:
         chosen = dict(list(chosen.items())[:args.limit])
+    shard, shards = (int(n) for n in args.shard.split('/'))
+    chosen = dict(list(chosen.items())[shard::shards])
     rows = [] if args.fresh else read_rows(args.output)
     done = {(r['family'], r['mode']) for r in rows}
     for family, model in chosen.items():

@@ -7,7 +7,7 @@ from timm.models import register_model
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from timm_ext.memory_model.estimate import estimate_memory
+from timm_ext.memory_model.estimate import EstimateError, estimate_memory
 from timm_ext.memory_model.fake_weights import fake_weights
 from timm_ext.memory_model.step_flops import step_flops
 from timm_ext.train.args import parse_args
@@ -45,7 +45,7 @@ class _ZooCases(nn.Module):
         self.norm_again.register_buffer('running_mean', self.norm.running_mean)  # a buffer two modules hold
         self.token = nn.Parameter(torch.zeros(1, 1, dim))
         self.block = _TokenBlock(dim)
-        self.head = nn.Linear(dim, num_classes)
+        self.head = nn.Linear(dim, num_classes) if num_classes else nn.Identity()  # 0: an encoder, features out
         self.default_cfg = self.pretrained_cfg = {'input_size': (3, 16, 16), 'num_classes': num_classes}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,11 @@ class _ZooCases(nn.Module):
 @register_model
 def zoo_fixes_test_model(pretrained=False, **kwargs):
     return _ZooCases(**kwargs)
+
+
+@register_model
+def zoo_fixes_test_encoder(pretrained=False, **kwargs):
+    return _ZooCases(**{'num_classes': 0, **kwargs})
 
 
 def test_fake_weights_converts_a_shared_module_once():
@@ -102,3 +107,14 @@ def test_the_cuda_estimate_traces_both_cases_forward_only_and_training():
     for step_kind in ('validate', 'train'):
         estimate = estimate_memory(args, 'cuda', batches=(2, 4), step_kind=step_kind)
         assert estimate.flops_per_sample > 0 and estimate.replay is not None
+
+
+def test_training_an_encoder_without_a_head_is_refused_in_one_line():
+    """A model built with num_classes 0 (timm's encoders: deepseek_vit_412m, the *_enc models) returns features, so no
+    loss can read a class from it: the training step says so and names the flag, instead of a fake-tensor error."""
+    args, _ = parse_args(['--model', 'zoo_fixes_test_encoder', '--device', 'cuda', '--amp'])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    with pytest.raises(EstimateError, match=r'no classifier head \(num_classes 0\); pass --num-classes N') as error:
+        estimate_memory(args, 'cuda', batches=(2, 4), step_kind='train')
+    assert '\n' not in str(error.value)
+    assert estimate_memory(args, 'cuda', batches=(2, 4), step_kind='validate').flops_per_sample > 0  # a forward runs

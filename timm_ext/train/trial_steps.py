@@ -10,6 +10,7 @@ from typing import Callable, ContextManager, List, Tuple
 
 import torch
 
+from ..errors import UsageError
 from .loop import LoopConfig, TrainLoop
 from .setup import mixup_active
 from .stack import TrainingStack
@@ -56,6 +57,9 @@ def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: Train
     updates = [0]
 
     def step(batch_size: int) -> None:
+        if num_classes < 1:  # an encoder without a head: its features are no logits, nor is any target a class of them
+            raise UsageError(f'{args.model} has no classifier head (num_classes {num_classes}); '
+                             f'pass --num-classes N to train it with one')
         rows = batch_size * splits
         buckets = torch.empty(bucket_bytes, dtype=torch.uint8, device=device) if bucket_bytes else None
         input = torch.randn((rows,) + tuple(input_size), device=device, dtype=model_dtype or torch.float32)
