@@ -106,7 +106,7 @@ def test_the_cuda_estimate_traces_both_cases_forward_only_and_training():
     args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
     for step_kind in ('validate', 'train'):
         estimate = estimate_memory(args, 'cuda', batches=(2, 4), step_kind=step_kind)
-        assert estimate.flops_per_sample > 0 and estimate.replay is not None
+        assert sorted(estimate.traced) == [2, 4] and estimate.replay is not None
 
 
 def test_training_an_encoder_without_a_head_is_refused_in_one_line():
@@ -117,4 +117,4 @@ def test_training_an_encoder_without_a_head_is_refused_in_one_line():
     with pytest.raises(EstimateError, match=r'no classifier head \(num_classes 0\); pass --num-classes N') as error:
         estimate_memory(args, 'cuda', batches=(2, 4), step_kind='train')
     assert '\n' not in str(error.value)
-    assert estimate_memory(args, 'cuda', batches=(2, 4), step_kind='validate').flops_per_sample > 0  # a forward runs
+    assert estimate_memory(args, 'cuda', batches=(2, 4), step_kind='validate').replay is not None  # its forward runs
