@@ -2,11 +2,13 @@
 
 One module a stage, each importing only the stages before it (nothing from `probe`, `tune` or `validate`):
 
-* `live_bytes`, `events`: the step traced on fake tensors, its live bytes by category and its ordered event log;
-* `autocast_casts`, `kernels`, `kernel_limits`: what CUDA's kernels do that the CPU trace did not (autocast's float32
-  casts, workspaces, launch limits);
-* `allocator`, `replay`: PyTorch's caching allocator, and the step replayed on it;
+* `estimate`, `skipped_init`, `fake_weights`, `live_bytes`, `events`, `step_facts`: train.py's step (or an eval
+  forward) traced on fake tensors, its live bytes by category, its ordered event log, its FLOPs;
+* `autocast_casts`, `kernels`, `kernels_attention`, `kernel_limits`: what CUDA's kernels do that the CPU trace did not
+  (autocast's float32 casts, workspaces, the attention backend, launch limits);
+* `allocator_config`, `allocator`, `cache_release`: PyTorch's caching allocator and the options a user sets;
+* `replay`, `predict`: the step replayed on it, the CUDA answer at any batch;
 * `snapshot`: the replay written as `torch.cuda.memory._snapshot()` writes a real one;
-* `devices`: what each device type adds, and its assumptions;
-* `estimate`: train.py's or validate.py's step traced and answered (`estimate_memory`), `predict`: its CUDA replay.
+* `cards`, `devices`, `nccl`: the named cards, what each device type adds, NCCL's buffers;
+* `estimate_result`: what an estimate answers; `trace_pool`: several traces side by side.
 """

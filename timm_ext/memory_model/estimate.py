@@ -34,6 +34,7 @@ from .cards import find_card
 from .devices import DeviceModel, device_model
 from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
+from .fake_weights import fake_weights
 from .kernel_limits import KernelSizes
 from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
@@ -81,7 +82,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs
     try:
         with mode:
-            stack.task.to_empty(device=CPU)
+            fake_weights(stack.task, CPU)
             stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
                                         grad_scaler=None)
             train_step = trial_train_step(args, stack, trial_loop(args, stack, CPU), input_size, CPU)

@@ -15,6 +15,7 @@ from typing import Callable, ContextManager, Iterator, List, Optional, Sequence,
 
 import torch
 
+from ..errors import UsageError
 from .ddp_buckets import (BROADCAST_IN_FLIGHT, allocating_buckets, broadcast_bucket_sizes, initial_bucket_sizes,
                           rebuilt_bucket_sizes)
 from .loop import LoopConfig, TrainLoop
@@ -64,6 +65,9 @@ def trial_train_step(args: argparse.Namespace, stack: TrainingStack, loop: Train
     updates = [0]
 
     def step(batch_size: int) -> None:
+        if num_classes < 1:  # an encoder without a head: its features are no logits, nor is any target a class of them
+            raise UsageError(f'{args.model} has no classifier head (num_classes {num_classes}); '
+                             f'pass --num-classes N to train it with one')
         rows = batch_size * splits
         if buckets is not None:
             buckets.hold()
