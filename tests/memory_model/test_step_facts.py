@@ -1,18 +1,23 @@
 """What the run's trace records for the savers priced without a trace of their own (FLOPs counted inside a traced
 step, the weights' roles), and the build it traces without writing the weights' values."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import timm
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from timm_ext.child_process import call_forked
+from conftest import REPO_ROOT
 from timm_ext.memory_model.skipped_init import SkippedInit
 from timm_ext.memory_model.step_facts import FlopCount, weight_storages
 
 
 def _totals(model_name: str, checkpointing: bool) -> list:
-    """(FlopCount's total, FlopCounterMode's) of a fake-tensor forward and backward (in a fork: a backward here
-    would stop this process from forking autograd later)."""
+    """(FlopCount's total, FlopCounterMode's) of a fake-tensor forward and backward."""
     model = timm.create_model(model_name, num_classes=10)
     model.set_grad_checkpointing(checkpointing)
     totals = []
@@ -27,10 +32,17 @@ def _totals(model_name: str, checkpointing: bool) -> list:
 
 def test_flops_counted_in_the_step_are_the_flop_counters():
     """torch/utils/flop_counter.py, FlopCounterMode._count_flops: each op's formula from `flop_registry`, called with
-    the op's arguments and `out_val`; checkpointing's recomputed forward counts too."""
-    for model_name, checkpointing in (('test_resnet', False), ('test_vit', True), ('test_convnext', False)):
-        ours, reference = call_forked(lambda: _totals(model_name, checkpointing))[0]
-        assert ours == reference > 0, model_name
+    the op's arguments and `out_val`; checkpointing's recomputed forward counts too. Counted in a fresh interpreter:
+    a fork of a test worker that has run a backward cannot run autograd."""
+    code = ('import json, sys; sys.path.insert(0, sys.argv[1]); import test_step_facts as t; '
+            'print(json.dumps([t._totals(m, c) for m, c in (("test_resnet", False), ("test_vit", True), '
+            '("test_convnext", False))]))')
+    done = subprocess.run([sys.executable, '-c', code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, 'PYTHONPATH': f'{REPO_ROOT}:{REPO_ROOT / "tests"}'})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name, (ours, reference) in zip(('test_resnet', 'test_vit', 'test_convnext'),
+                                       json.loads(done.stdout.splitlines()[-1])):
+        assert ours == reference > 0, name
 
 
 def test_weight_storages_file_each_storage_once_with_its_role():
