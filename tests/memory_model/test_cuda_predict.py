@@ -4,7 +4,7 @@ two batch sizes do not line up read by tracing each batch the plan asks."""
 from timm_ext.memory_model.devices import device_model
 from timm_ext.memory_model.estimate import MemoryEstimate
 from timm_ext.memory_model.live_bytes import CATEGORIES
-from timm_ext.memory_model.predict import CudaReplay, trace_logs
+from timm_ext.memory_model.predict import STEP_CATEGORIES, CudaReplay, trace_logs
 
 MiB = 1 << 20
 
@@ -50,4 +50,7 @@ def test_the_replay_is_the_answer_and_its_split_adds_up_to_it():
     assert estimate.peak(8) == replay.least_memory(8) == sum(split.values())
     assert split['weights'] == 64 * MiB and split['activations'] == 8 * 30 * MiB
     assert 'segments' in split and split['segments'] >= 0
+    # every category a replay files, 0 where none holds bytes at the peak
+    assert set(STEP_CATEGORIES) == {'weights', 'gradients', 'buckets', 'optimizer', 'activations', 'temporaries',
+                                    'workspace'} and set(STEP_CATEGORIES) <= set(split)
     assert 'did not line up' in estimate.replay_note

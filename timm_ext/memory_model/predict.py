@@ -14,8 +14,9 @@ from .allocator_config import allocator_config
 from .events import ScaledLog
 from .live_bytes import CATEGORIES
 
-# what a replayed block is filed under: the trace's categories of tensors, and the kernels' own workspaces
-STEP_CATEGORIES = (*CATEGORIES[:5], 'workspace')
+# what a replayed block is filed under: the trace's categories of tensors, and the kernels' own workspaces (the
+# CPU model's allocator and library categories never reach a CUDA replay)
+STEP_CATEGORIES = tuple(name for name in CATEGORIES if name not in ('allocator', 'library'))
 
 __all__ = ['CudaReplay', 'run_config', 'trace_logs']
 
