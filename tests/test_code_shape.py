@@ -47,10 +47,15 @@ def test_functions_and_classes_stay_readable(path):
     assert not too_long, f'{path.name}: {too_long}'
 
 
+# methods torch calls on our classes by name (TorchDispatchMode.ignore_compile_internals: TorchDynamo asks it)
+TORCH_HOOKS = {'ignore_compile_internals'}
+
+
 def defined_names(tree: ast.AST) -> set:
-    """The functions, methods and classes a module defines (dunders left out: Python calls them)."""
+    """The functions, methods and classes a module defines (dunders and torch's hooks left out: they are called)."""
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    return {node.name for node in ast.walk(tree) if isinstance(node, kinds) and not node.name.startswith('__')}
+    return {node.name for node in ast.walk(tree)
+            if isinstance(node, kinds) and not node.name.startswith('__') and node.name not in TORCH_HOOKS}
 
 
 def referenced_names(tree: ast.AST) -> set:

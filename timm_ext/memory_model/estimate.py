@@ -31,6 +31,7 @@ from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
 from .autocast_casts import CudaAutocastCasts
 from .cards import find_card
+from .compiled_step import compiled_for_trace, unmodelled
 from .devices import DeviceModel, device_model
 from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
@@ -65,7 +66,8 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
-    # no collective, no compile (neither changes what a step holds), the device's autocast dtype on CPU kernels
+    # no collective (its buffers are modelled apart), compiled below (`compiled_for_trace`), the device's autocast
+    # dtype on CPU kernels
     estimate_args = with_values(args, sync_bn=False, torchcompile=None, device='cpu')
     lr = args.lr or args.lr_base
     with SkippedInit():  # the weights' values are replaced by fake storage below: not written at all
@@ -80,8 +82,11 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
     flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs
+    # train.py's --torchcompile, before the steps take the task's modules (`timm_ext.memory_model.compiled_step`)
+    compiled = compiled_for_trace(stack.task, args.torchcompile, device.name) if args.torchcompile \
+        else contextlib.nullcontext()
     try:
-        with mode:
+        with mode, compiled:
             fake_weights(stack.task, CPU)
             stack = dataclasses.replace(stack, optimizer=build_optimizer(estimate_args, stack.task, lr),
                                         grad_scaler=None)
@@ -122,12 +127,14 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     shown = input_size if step_kind == 'train' else eval_input_size
     describe = (f'model {args.model} at input {"x".join(map(str, shown))}, '
                 f'{stack.amp.dtype or stack.model_dtype or torch.float32}'.replace('torch.', '')
-                + (f', optimizer {args.opt}' if step_kind == 'train' else ', forward only'))
+                + (f', optimizer {args.opt}' if step_kind == 'train' else ', forward only')
+                + (f', torch.compile {args.torchcompile}' if args.torchcompile else ''))
     grad_bytes = sum(device.allocated(None, (), p.numel() * p.element_size()) for p in params)
     kernel_sizes = {name: size / max(batches) for name, size in kernels.sizes.items()} if kernels else {}
     log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
     return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
-                          CudaReplay(log) if log else None, flops.total / max(batches), storages)
+                          CudaReplay(log) if log else None, flops.total / max(batches), storages,
+                          unmodelled(args.torchcompile, args.torchcompile_mode) if args.torchcompile else [])
 
 
 def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:

@@ -42,6 +42,7 @@ class MemoryEstimate:
         weight_storages: (bytes, role) of each storage the weights category counts, in the order the trace filed
             them (on CUDA the log's first residents), role 'trainable', 'ema' or 'fixed'
             (`timm_ext.memory_model.step_facts.weight_storages`; the savers priced by a rule read it).
+        unmodelled: What of a compiled step the trace does not model (`timm_ext.memory_model.compiled_step`).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -53,13 +54,14 @@ class MemoryEstimate:
     replay: Optional[CudaReplay] = None
     flops_per_sample: float = 0.0
     weight_storages: List[Tuple[int, str]] = dataclasses.field(default_factory=list)
+    unmodelled: List[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         """The estimate as JSON's types (what a trace's child sends back and the benchmarks cache), device aside."""
         return dict(lines=self.lines, traced=self.traced, describe=self.describe, seconds=self.seconds,
                     grad_bytes=self.grad_bytes, kernel_sizes=self.kernel_sizes,
                     log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample,
-                    weight_storages=self.weight_storages)
+                    weight_storages=self.weight_storages, unmodelled=self.unmodelled)
 
     @classmethod
     def from_json(cls, data: dict, device: DeviceModel,
@@ -72,7 +74,7 @@ class MemoryEstimate:
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
                    data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0),
-                   [tuple(storage) for storage in data.get('weight_storages', [])])
+                   [tuple(storage) for storage in data.get('weight_storages', [])], data.get('unmodelled', []))
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -126,6 +128,12 @@ class MemoryEstimate:
             return ''
         return (f'the step\'s logs at two batch sizes did not line up event by event, so each batch asked was traced '
                 f'on its own ({len(self.replay.traced_batches)} traced: {self.replay.traced_batches})')
+
+    @property
+    def notes(self) -> List[str]:
+        """The plan's lines on how the step was read: the replay's, and what of a compiled step is not modelled."""
+        return ([f'Replay: {self.replay_note}.'] if self.replay_note else []) + \
+            ([f'Compiled step: not modelled: {"; ".join(self.unmodelled)}.'] if self.unmodelled else [])
 
     @property
     def launch_limit(self) -> Tuple[Optional[int], str]:

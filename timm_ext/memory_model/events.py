@@ -68,7 +68,7 @@ class EventLog(LiveBytes):
         key = id(tensor.untyped_storage())
         known = key in self._files
         super()._file(tensor, category, func, args)
-        if not known:
+        if not known and key in self._files:
             self._keys[key] = len(self.events)
             self.events.append(['a', self._files[key][1], self.name(category), self.name(self._op), self._where()])
 

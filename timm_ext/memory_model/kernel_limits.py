@@ -31,7 +31,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .live_bytes import TraceMode
 
 __all__ = ['INDEX_ELEMENTS', 'ATTENTION_ROWS', 'KernelSizes', 'launch_limit']
 
@@ -111,19 +112,23 @@ def _signature(func, args: tuple, kwargs: dict, out) -> Optional[Tuple[str, int]
     return None
 
 
-class KernelSizes(TorchDispatchMode):
+class KernelSizes(TraceMode):
     """The largest size of each kind of op `launch_limit` knows, over the ops run while active."""
 
     def __init__(self):
         super().__init__()
         self.sizes: Dict[str, int] = {}
 
+    def note(self, signature: str, size: int) -> None:
+        """Record a size of a kind of op (the compiled graphs' largest tensor, `timm_ext.memory_model.compiled_step`)."""
+        self.sizes[signature] = max(self.sizes.get(signature, 0), size)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         found = _signature(func, args, kwargs, out)
         if found is not None:
-            self.sizes[found[0]] = max(self.sizes.get(found[0], 0), found[1])
+            self.note(*found)
         return out
 
 

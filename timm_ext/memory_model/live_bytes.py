@@ -28,13 +28,25 @@ from torch.utils._pytree import tree_flatten
 
 from ..train.ddp_buckets import buckets_being_allocated
 
-__all__ = ['CATEGORIES', 'LiveBytes']
+__all__ = ['CATEGORIES', 'LiveBytes', 'TraceMode']
 
 CATEGORIES = ('weights', 'gradients', 'buckets', 'optimizer', 'activations', 'temporaries', 'allocator', 'library',
               'workspace')
 
 
-class LiveBytes(TorchDispatchMode):
+class TraceMode(TorchDispatchMode):
+    """A dispatch mode of the trace that sees what torch.compile's graphs run, not what compiling them runs.
+
+    TorchDynamo runs a function eagerly while any dispatch mode on the stack does not ignore compile internals; with
+    this, it compiles with the mode off and runs the compiled graphs with it on.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class LiveBytes(TraceMode):
     """Live bytes by category while the mode is active, and their peak.
 
     Args:
@@ -59,6 +71,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak: Dict[str, int] = dict(self.live)
         self._files: Dict[int, list] = {}  # id(storage) -> [category, bytes, the allocator's bytes beyond them]
         self._in_optimizer = False
+        self.filing = True  # off while a compiled kernel computes what inductor never writes to memory
         self._handles = []
         for tensor in weights:
             self._file(tensor, 'weights', None, ())
@@ -98,7 +111,7 @@ class LiveBytes(TorchDispatchMode):
     def _file(self, tensor: torch.Tensor, category: str, func, args: tuple) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self._files:
+        if key in self._files or not self.filing:
             return
         nbytes = storage.nbytes()
         entry = [category, nbytes, self.allocated(func, args, nbytes) - nbytes]

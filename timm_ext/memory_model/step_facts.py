@@ -11,13 +11,14 @@
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from .live_bytes import TraceMode
 
 __all__ = ['FlopCount', 'weight_storages']
 
 
-class FlopCount(TorchDispatchMode):
+class FlopCount(TraceMode):
     """The total FLOPs (`total`) of the ops run while the mode is active.
 
     FlopCounterMode also tries `func.decompose` on an op it has no formula for; an op that reaches a dispatch mode

@@ -169,7 +169,7 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
                      f'predicted at {format_bytes(eval_estimate.peak(eval_batch))}, at most {EVAL_MAX_FACTOR} '
                      f'micro-batches; ' + ('validation_batch_size in the YAML.' if first.eval_batch else
                                           'nothing larger than the micro-batch fits, so the YAML leaves it.'))
-    lines += [f'Replay: {e.replay_note}.' for e in (estimate, eval_estimate) if e is not None and e.replay_note]
+    lines += list(dict.fromkeys(note for e in (estimate, eval_estimate) if e is not None for note in e.notes))
     return lines
 
 

@@ -58,7 +58,7 @@ class EvalBatchEstimate:
                 f'the largest '
                 f'batch predicted is {self.batch_size} '
                 f'({format_bytes(self.estimate.peak(max(1, self.batch_size)))} at its peak).',
-                *([f'Replay: {self.estimate.replay_note}.'] if self.estimate.replay_note else [])]
+                *self.estimate.notes]
 
 
 def _estimate_args(args: argparse.Namespace, model_name: str) -> argparse.Namespace:
@@ -74,6 +74,9 @@ def _estimate_args(args: argparse.Namespace, model_name: str) -> argparse.Namesp
         argv += ['--num-classes', str(args.num_classes)]
     if args.model_dtype:
         argv += ['--model-dtype', args.model_dtype]
+    if args.torchcompile:  # validate.py compiles the model as train.py does
+        argv += ['--torchcompile', args.torchcompile] + (['--torchcompile-mode', args.torchcompile_mode]
+                                                         if args.torchcompile_mode else [])
     train_args, _ = parse_train_args(argv)
     train_args.model_kwargs = dict(args.model_kwargs)
     train_args.gpu = getattr(args, 'gpu', None)  # the card planned for (`estimate_memory` reads it)

@@ -1,0 +1,141 @@
+"""train.py's `--torchcompile` step traced as inductor runs it: its graphs, what they save, what their kernels write.
+
+`compiled_for_trace` compiles the task's model (`task.compile`, as train.py does) with a backend that does what
+inductor does before code generation, on the trace's fake tensors: TorchDynamo captures the graphs (graph breaks
+included), AOTAutograd traces them with inductor's decompositions (`torch._inductor.decomposition.
+select_decomp_table`) and splits forward from backward with inductor's partitioner (`torch._inductor.compile_fx.
+partition_fn`, the min-cut rematerialization that decides what the forward saves and honours `torch._functorch.
+config.activation_memory_budget`); an eval forward gets the inference graph. Each graph then runs as `BufferRun`:
+node by node on fake tensors, a node's output counted only where inductor writes it to memory
+(`timm_ext.memory_model.inductor_fusion.plan_buffers`), each buffer freed after its last reader, the graph's inputs
+released as inductor's generated code releases them. The trace's trackers (`LiveBytes`, `EventLog`, `KernelSizes`)
+ignore compilation and see what the graphs run, so the event log, the CUDA kernels' workspaces and the allocator
+replay treat a compiled step as an eager one.
+
+Modelled: the inductor backend. Not modelled, and said in the plan (`unmodelled`): CUDA graphs (`--torchcompile-mode`
+reduce-overhead and max-autotune keep a private pool per graph; planned without them, as the probe runs), max-autotune's
+template kernels, the scheduler's reordering for peak memory. Other backends: 'eager' runs eager kernels; the rest
+are planned as eager, and said so.
+"""
+import contextlib
+from typing import Dict, Iterator, List
+
+import torch
+from torch import fx
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .inductor_fusion import plan_buffers
+from .kernel_limits import KernelSizes
+from .live_bytes import LiveBytes
+
+__all__ = ['compiled_for_trace', 'unmodelled', 'BufferRun', 'COMPILED_TENSOR']
+
+COMPILED_TENSOR = 'compiled tensor'  # KernelSizes' signature of the compiled graphs' largest tensor
+_GRAPH_MODES = ('reduce-overhead', 'max-autotune')
+
+
+def unmodelled(backend: str, mode: str) -> List[str]:
+    """What of a `--torchcompile backend --torchcompile-mode mode` step the trace does not model, a phrase each."""
+    if backend != 'inductor':
+        return [] if backend == 'eager' else [f'the {backend} backend (planned as eager)']
+    notes = ['the scheduler reordering kernels for peak memory']
+    if mode in _GRAPH_MODES:
+        notes.insert(0, f'{mode}\'s CUDA graph pools (planned without CUDA graphs, as the probe runs)')
+    return notes
+
+
+class BufferRun:
+    """Run an AOTAutograd graph on fake tensors, counting only the buffers inductor writes (boxed: takes a list).
+
+    Args:
+        graph_module: The forward, backward or inference graph.
+        device_type: The device whose lowering thresholds decide the fusion ('cuda' or 'cpu').
+    """
+    def __init__(self, graph_module: fx.GraphModule, device_type: str):
+        self._boxed_call = True  # an instance attribute: the wrappers AOTAutograd puts around it copy `__dict__`
+        self.graph = graph_module.graph
+        self.plans = plan_buffers(self.graph, device_type)
+        self.inputs = [n for n in self.graph.nodes if n.op == 'placeholder']
+        self.last_reader: Dict[fx.Node, List[fx.Node]] = {}
+        seen = set()
+        for node in reversed(self.graph.nodes):
+            for a in node.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    self.last_reader.setdefault(node, []).append(a)
+
+    def __call__(self, args: list):
+        env = dict(zip(self.inputs, args))
+        args.clear()  # the inputs (saved activations in the backward) go as the graph stops reading them
+        held: Dict[fx.Node, dict] = {}  # the buffers an inlined node reads, alive while it is
+        trackers = _active(LiveBytes)
+        largest = 0
+        for node in self.graph.nodes:
+            if node.op == 'output':
+                for kernels in _active(KernelSizes):
+                    kernels.note(COMPILED_TENSOR, largest)
+                return fx.node.map_arg(node.args[0], env.__getitem__)
+            if node.op == 'call_function':
+                plan = self.plans[node]
+                writes = plan.realized and plan.inplace_of is None
+                with _not_filing(trackers) if not writes else contextlib.nullcontext():
+                    out = node.target(*fx.node.map_arg(node.args, env.__getitem__),
+                                      **fx.node.map_arg(node.kwargs, env.__getitem__))
+                env[node] = out
+                if isinstance(out, torch.Tensor):
+                    largest = max(largest, out.numel())
+                if plan.inplace_of is not None or not plan.realized:
+                    reads = {}  # the realized buffers it reads, directly or through the inlined nodes it reads
+                    for a in node.all_input_nodes:
+                        reads.update(held.get(a, {}))  # an in-place input brings the buffer it writes
+                        if self.plans[a].realized:
+                            reads[a] = env[a]
+                    # an inlined node keeps what it reads alive; one written in place keeps the buffer it took
+                    held[node] = reads if plan.inplace_of is None else {plan.inplace_of: reads[plan.inplace_of]}
+            for a in self.last_reader.get(node, ()):
+                env.pop(a, None)
+                held.pop(a, None)
+        raise ValueError('a graph without an output node')
+
+
+def _active(cls: type) -> list:
+    """The dispatch modes of a class on the current stack."""
+    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, cls)]
+
+
+@contextlib.contextmanager
+def _not_filing(trackers: List[LiveBytes]) -> Iterator[None]:
+    for tracker in trackers:
+        tracker.filing = False
+    try:
+        yield
+    finally:
+        for tracker in trackers:
+            tracker.filing = True
+
+
+def _backend(device_type: str):
+    """A torch.compile backend: inductor up to code generation, each graph run by `BufferRun`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    def compiler(graph_module: fx.GraphModule, example_inputs) -> BufferRun:
+        return BufferRun(graph_module, device_type)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
+                        decompositions=select_decomp_table())
+
+
+@contextlib.contextmanager
+def compiled_for_trace(task: torch.nn.Module, backend: str, device_type: str) -> Iterator[None]:
+    """Compile `task` (train.py's `task.compile`) for the trace: inductor modelled, 'eager' as is, others as eager."""
+    import torch._dynamo
+    if backend not in ('inductor', 'eager'):
+        yield
+        return
+    torch._dynamo.reset()
+    task.compile(backend=_backend(device_type) if backend == 'inductor' else 'eager')
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
