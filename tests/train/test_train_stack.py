@@ -74,6 +74,25 @@ def test_every_entry_point_gets_the_compile_backend_check(image_folder):
         build_training_stack(args, torch.device('cpu'), lr=0.1, with_data=False, ddp=False)
 
 
+@pytest.mark.parametrize('script, flags, needle', [
+    ('train.py', ['--torchcompile', 'no_such_backend'], "'no_such_backend' is not a torch.compile backend"),
+    ('tune_batch.py --estimate', ['--torchcompile', '--torchcompile-mode', 'fastest'],
+     "'fastest' is not a torch.compile mode"),
+    ('validate.py --estimate', ['--torchcompile', 'cudagraphs'], 'cudagraphs needs a CUDA device')])
+def test_a_bad_compile_flag_ends_every_script_in_one_line_before_any_work(tmp_path, script, flags, needle):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    name, *extra = script.split()
+    argv = [sys.executable, str(root / name), '--model', 'test_resnet', '--device', 'cpu', *extra, *flags]
+    if name == 'train.py':
+        argv += ['--data-dir', str(tmp_path), '--output', str(tmp_path / 'out')]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2 and needle in done.stderr and 'Traceback' not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_the_lr_rule_needs_the_loader(image_folder):
     with pytest.raises(ValueError, match='needs the training loader'):
         build_training_stack(args_of(image_folder), torch.device('cpu'), with_data=False)

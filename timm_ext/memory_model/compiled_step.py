@@ -12,10 +12,10 @@ released as inductor's generated code releases them. The trace's trackers (`Live
 ignore compilation and see what the graphs run, so the event log, the CUDA kernels' workspaces and the allocator
 replay treat a compiled step as an eager one.
 
-Modelled: the inductor backend. Not modelled, and said in the plan (`unmodelled`): CUDA graphs (`--torchcompile-mode`
-reduce-overhead and max-autotune keep a private pool per graph; planned without them, as the probe runs), max-autotune's
-template kernels, the scheduler's reordering for peak memory. Other backends: 'eager' runs eager kernels; the rest
-are planned as eager, and said so.
+Modelled: the inductor backend; backends that run their graphs with aten ops (eager, aot_eager and its variants) run
+as themselves. Not modelled, and said in the plan (`unmodelled`): CUDA graphs (`--torchcompile-mode` reduce-overhead
+and max-autotune keep a private pool per graph; planned without them, as the probe runs), the scheduler's reordering
+for peak memory, and the backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager).
 """
 import contextlib
 from typing import Dict, Iterator, List
@@ -28,20 +28,28 @@ from .inductor_fusion import plan_buffers
 from .kernel_limits import KernelSizes
 from .live_bytes import LiveBytes
 
-__all__ = ['compiled_for_trace', 'unmodelled', 'BufferRun', 'COMPILED_TENSOR']
+__all__ = ['compiled_for_trace', 'unmodelled', 'is_compile_error', 'BufferRun', 'COMPILED_TENSOR']
 
 COMPILED_TENSOR = 'compiled tensor'  # KernelSizes' signature of the compiled graphs' largest tensor
 _GRAPH_MODES = ('reduce-overhead', 'max-autotune')
+# backends that compile for a device or an outside compiler, which fake tensors cannot run: planned as eager
+_DEVICE_BACKENDS = ('cudagraphs', 'tvm', 'openxla', 'openxla_eval', 'ts', 'aot_ts', 'onnxrt')
 
 
 def unmodelled(backend: str, mode: str) -> List[str]:
     """What of a `--torchcompile backend --torchcompile-mode mode` step the trace does not model, a phrase each."""
     if backend != 'inductor':
-        return [] if backend == 'eager' else [f'the {backend} backend (planned as eager)']
+        return [f'the {backend} backend (planned as eager)'] if backend in _DEVICE_BACKENDS else []
     notes = ['the scheduler reordering kernels for peak memory']
     if mode in _GRAPH_MODES:
         notes.insert(0, f'{mode}\'s CUDA graph pools (planned without CUDA graphs, as the probe runs)')
     return notes
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Whether an error came from TorchDynamo or the backend compiling (not from an op the fake tensors ran)."""
+    import torch._dynamo.exc
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
 class BufferRun:
@@ -128,13 +136,14 @@ def _backend(device_type: str):
 
 @contextlib.contextmanager
 def compiled_for_trace(task: torch.nn.Module, backend: str, device_type: str) -> Iterator[None]:
-    """Compile `task` (train.py's `task.compile`) for the trace: inductor modelled, 'eager' as is, others as eager."""
+    """Compile `task` (train.py's `task.compile`) for the trace: inductor as `BufferRun`s, a backend that runs its
+    graphs with aten ops (eager, aot_eager...) as itself, one that needs a device or an outside compiler not at all."""
     import torch._dynamo
-    if backend not in ('inductor', 'eager'):
+    if backend in _DEVICE_BACKENDS:
         yield
         return
     torch._dynamo.reset()
-    task.compile(backend=_backend(device_type) if backend == 'inductor' else 'eager')
+    task.compile(backend=_backend(device_type) if backend == 'inductor' else backend)
     try:
         yield
     finally:

@@ -31,7 +31,7 @@ from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
 from .autocast_casts import CudaAutocastCasts
 from .cards import find_card
-from .compiled_step import compiled_for_trace, unmodelled
+from .compiled_step import compiled_for_trace, is_compile_error, unmodelled
 from .devices import DeviceModel, device_model
 from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
@@ -122,6 +122,9 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
                 tracker.remove_hooks()
     except Exception as e:  # any op fake tensors cannot run: the caller falls back to real trials
         text = ' '.join(str(e).split())[:200]
+        if args.torchcompile and is_compile_error(e):
+            raise EstimateError(f'torch.compile ({args.torchcompile}) could not compile {args.model} for the trace '
+                                f'({type(e).__name__}: {text})') from None
         raise EstimateError(f'{args.model} cannot be traced on fake tensors ({type(e).__name__}: {text})') from None
     lines = {name: _fit_line({b: split[name] for b, split in traced.items()}) for name in CATEGORIES}
     shown = input_size if step_kind == 'train' else eval_input_size

@@ -98,8 +98,7 @@ def plan_buffers(graph: fx.Graph, device_type: str) -> Dict[fx.Node, FusedNode]:
     limits, cpu = _thresholds(device_type), device_type == 'cpu'
     plans: Dict[fx.Node, FusedNode] = {}
     heavy: Dict[fx.Node, bool] = {}
-    outputs = {a for a in fx.node.map_arg(next(n for n in graph.nodes if n.op == 'output').args, lambda n: n)[0]
-               if isinstance(a, fx.Node)} if any(n.op == 'output' for n in graph.nodes) else set()
+    outputs = {a for n in graph.nodes if n.op == 'output' for a in n.all_input_nodes}
     for node in graph.nodes:
         if node.op == 'placeholder':
             plans[node] = FusedNode('input', realized=True)

@@ -115,7 +115,8 @@ def check_arg_combinations(args: argparse.Namespace, world_size: Optional[int] =
     for failed, message in rules:
         if failed:
             raise UsageError(message)
-    problem = extension_problem(args, world_size)
+    problem = extension_problem(args, world_size) or compile_flags_problem(
+        args.torchcompile, args.torchcompile_mode, 'cuda' if str(args.device).startswith('cuda') else 'cpu')
     if problem:
         raise UsageError(problem)
 
@@ -131,14 +132,33 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise SetupError(problem)
 
 
-def check_compile_backend(backend: str, device: torch.device) -> None:
-    """Refuse a --torchcompile backend torch does not know, or one that needs CUDA on another device."""
+def compile_flags_problem(backend: Optional[str], mode: Optional[str], device_type: str) -> Optional[str]:
+    """What is wrong with --torchcompile BACKEND --torchcompile-mode MODE on `device_type`, in one line (None: nothing).
+
+    The backends are those torch._dynamo registers; the modes those torch.compile accepts for inductor (`default`
+    and `torch._inductor.list_mode_options()`); other backends ignore the mode, as torch.compile does.
+    """
+    if not backend:
+        return None
     import torch._dynamo
+    import torch._inductor
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise UsageError(f'--torchcompile {backend!r} is not a torch.compile backend; use inductor (the default), '
-                         f'aot_eager or eager (torch._dynamo.list_backends() lists the others)')
-    if backend == 'cudagraphs' and device.type != 'cuda':
-        raise UsageError('--torchcompile cudagraphs needs a CUDA device; use inductor (the default) or eager')
+        return (f'--torchcompile {backend!r} is not a torch.compile backend; use inductor (the default), '
+                f'aot_eager or eager (torch._dynamo.list_backends() lists the others)')
+    if backend == 'cudagraphs' and device_type != 'cuda':
+        return '--torchcompile cudagraphs needs a CUDA device; use inductor (the default) or eager'
+    modes = ['default', *torch._inductor.list_mode_options()]
+    if backend == 'inductor' and mode is not None and mode not in modes:
+        return f'--torchcompile-mode {mode!r} is not a torch.compile mode; use one of {", ".join(dict.fromkeys(modes))}'
+    return None
+
+
+def check_compile_backend(backend: str, device: torch.device, mode: Optional[str] = None) -> None:
+    """Refuse a --torchcompile backend or mode torch does not know, or one the device cannot run
+    (`compile_flags_problem`)."""
+    problem = compile_flags_problem(backend, mode, device.type)
+    if problem:
+        raise UsageError(problem)
 
 
 def mixup_active(args: argparse.Namespace) -> bool:

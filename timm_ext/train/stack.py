@@ -165,7 +165,7 @@ def build_training_stack(args: argparse.Namespace, device: torch.device, *, lr: 
         if resumed is not None:
             ckpt.restore_model(task, resumed, ema=True)
     if compile_model and args.torchcompile:
-        check_compile_backend(args.torchcompile, device)
+        check_compile_backend(args.torchcompile, device, args.torchcompile_mode)
         mode = compile_mode if compile_mode is not None else args.torchcompile_mode
         task.compile(backend=args.torchcompile, mode=mode)
         if task.has_ema():

@@ -20,6 +20,7 @@ from ..memory_model.cards import CARDS, card_flag_problem
 from ..memory_model.snapshot import add_snapshot_argument, snapshot_flag_problem
 from ..memory import BudgetError, parse_budget
 from ..train.args import EXTENSIONS_GROUP
+from ..train.setup import compile_flags_problem
 from .results import RESULT_FORMATS
 
 __all__ = [
@@ -209,7 +210,9 @@ def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, s
         except BudgetError as e:
             return f'argument --mem-budget: {e}'
     problem = (snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
-               or card_flag_problem(args.gpu, args.device, args.estimate))
+               or card_flag_problem(args.gpu, args.device, args.estimate)
+               or compile_flags_problem(args.torchcompile, args.torchcompile_mode,
+                                        'cuda' if str(args.device).startswith('cuda') else 'cpu'))
     if problem:
         return problem
     if args.estimate:  # a plan for another machine: its data need not be here

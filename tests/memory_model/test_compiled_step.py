@@ -1,0 +1,90 @@
+"""The compiled step on fake tensors (`timm_ext.memory_model.compiled_step`): what its graphs hold, against eager."""
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from timm_ext.memory_model.compiled_step import compiled_for_trace, is_compile_error, unmodelled
+from timm_ext.memory_model.live_bytes import LiveBytes
+
+BATCH, WIDTH, HIDDEN = 32, 64, 256
+
+
+class _Task(nn.Module):
+    """What `compiled_for_trace` needs of timm's task: `compile` wraps the trainable module, as ClassificationTask's."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.trainable_module = module
+
+    def compile(self, backend, mode=None):
+        self.trainable_module = torch.compile(self.trainable_module, backend=backend, mode=mode)
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(x)) * 2 + 1)
+
+
+def _forward_peak(compiled: bool) -> int:
+    """The activations' peak of a forward without gradients (weights excluded)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _Mlp()
+        task = _Task(model)
+        with compiled_for_trace(task, 'inductor', 'cuda') if compiled else contextlib.nullcontext():
+            tracker = LiveBytes(model.parameters(), [*model.parameters()])
+            x = torch.randn(BATCH, WIDTH)
+            with tracker, torch.no_grad():
+                tracker.reset_peak()
+                task.trainable_module(x)
+            return tracker.peak['activations']
+
+
+def test_a_compiled_forward_holds_one_hidden_buffer_where_eager_holds_two():
+    """Eager: gelu's output lives next to fc1's, then the product next to it. Compiled: gelu, * 2 and + 1 fuse into
+    one kernel that reads fc1's output and writes it in place (inplace_buffers), which fc2 then reads."""
+    hidden, out = BATCH * HIDDEN * 4, BATCH * WIDTH * 4
+    assert _forward_peak(compiled=False) == 2 * hidden
+    assert _forward_peak(compiled=True) == hidden + out
+
+
+def test_a_compiled_update_files_its_gradients_and_frees_what_the_forward_saved():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _Mlp()
+        task = _Task(model)
+        with compiled_for_trace(task, 'inductor', 'cuda'):
+            tracker = LiveBytes(model.parameters(), [*model.parameters()])
+            with tracker:
+                task.trainable_module(torch.randn(BATCH, WIDTH)).sum().backward()
+                assert tracker.peak['activations'] > 0
+            assert tracker.live['gradients'] == sum(p.numel() * 4 for p in model.parameters())
+            assert tracker.live['activations'] == 0 and tracker.live['temporaries'] == 0
+
+
+def test_the_plan_names_what_a_compiled_step_does_not_model():
+    assert unmodelled('eager', None) == []
+    assert unmodelled('aot_eager', None) == []  # its graphs run on the fake tensors as they are
+    assert unmodelled('tvm', None) == ['the tvm backend (planned as eager)']
+    graphs = unmodelled('inductor', 'reduce-overhead')
+    assert 'CUDA graph' in graphs[0] and len(graphs) == len(unmodelled('inductor', None)) + 1
+
+
+def test_a_backend_that_fails_to_compile_is_told_apart_from_an_op_fake_tensors_refuse():
+    """A real compile failure (torch's relu_compile_error_TESTING_ONLY backend refuses graphs with torch.relu): the
+    estimate names the compile in its one line (`is_compile_error`)."""
+    class Relu(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) + 1
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        task = _Task(Relu())
+        with compiled_for_trace(task, 'relu_compile_error_TESTING_ONLY', 'cpu'):
+            with pytest.raises(Exception) as failed:
+                task.trainable_module(torch.randn(4, 4))
+    assert is_compile_error(failed.value)
+    assert not is_compile_error(RuntimeError('an op fake tensors cannot run'))
