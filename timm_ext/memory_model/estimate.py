@@ -98,8 +98,8 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
             weights = [*stack.task.parameters(), *stack.task.buffers()]
             storages = weight_storages(weights, params, getattr(stack.task, 'trainable_module_ema', None))
             if device.name == 'cuda':  # the ordered log the allocator replay reads
-                tracker = EventLog(stack.task.parameters(), weights, dict(stack.task.named_modules()),
-                                   allocated=device.allocated)
+                modules = None if args.torchcompile else dict(stack.task.named_modules())
+                tracker = EventLog(stack.task.parameters(), weights, modules, allocated=device.allocated)
             else:
                 tracker = LiveBytes(stack.task.parameters(), weights, device.allocated, device.workspace, device.kept)
             order, steps = [], {}

@@ -29,7 +29,8 @@ class EventLog(LiveBytes):
 
     Args:
         params, weights: As `LiveBytes`.
-        modules: The traced model's modules by qualified name (the forward's ops are filed under the innermost).
+        modules: The traced model's modules by qualified name (the forward's ops are filed under the innermost);
+            None: the ops are filed under 'step' (a compiled model's graphs run outside its modules).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], weights: Iterable[torch.Tensor] = (),
@@ -42,8 +43,9 @@ class EventLog(LiveBytes):
         self._module_stack: List[str] = []
         self._op = 'weights'
         super().__init__(params, weights, **kwargs)
-        self._handles += [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
-                          torch.nn.modules.module.register_module_forward_hook(self._leave)]
+        if modules is not None:  # none for a compiled model: TorchDynamo would break its graphs at the hooks
+            self._handles += [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
+                              torch.nn.modules.module.register_module_forward_hook(self._leave)]
 
     def name(self, text: str) -> int:
         if text not in self._name_index:
