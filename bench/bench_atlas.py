@@ -44,8 +44,10 @@ CONFIGS = {  # row -> (step, flags)
     'bf16 adamw': ('train', ('--amp', '--amp-dtype', 'bfloat16', '--opt', 'adamw')),
     'eval fp16': ('validate', ('--amp',)),
     'fp16 adamw ckpt': ('train', ('--amp', '--opt', 'adamw', '--grad-checkpointing')),
+    'fp16 adamw compiled': ('train', ('--amp', '--opt', 'adamw', '--torchcompile')),
+    'eval fp16 compiled': ('validate', ('--amp', '--torchcompile')),
 }
-OPTIONAL = {'fp16 adamw ckpt'}  # a row only where the step traces with it
+OPTIONAL = {'fp16 adamw ckpt', 'fp16 adamw compiled', 'eval fp16 compiled'}  # a row only where the step traces
 # bfloat16 holds what float16 holds in the CUDA model (the same casts, two bytes an element, the same kernel limits),
 # so its rows come from the float16 trace; tests/test_atlas.py traces one in bfloat16 to check it
 TRACED_AS = {'bf16 sgd': 'fp16 sgd', 'bf16 adamw': 'fp16 adamw'}
@@ -165,7 +167,10 @@ def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[Lis
             'pass; the savers table of `tune_batch.py --estimate` prices its extra compute), for the models whose '
             'checkpointed step the estimate traces: not yet ConvNeXt, Swin, MaxViT, CAFormer and EdgeNeXt (on the CUDA '
             'trace their recomputed forward\'s tensors differ from the first\'s, which torch\'s checkpoint refuses), '
-            'nor inception_v3 (no checkpointing in timm).',
+            'nor inception_v3 (no checkpointing in timm). The `compiled` rows are the same steps under '
+            '`--torchcompile` (inductor): the compiled graphs traced as inductor runs them, what its kernels fuse '
+            'never held ([docs/gpu.md](gpu.md#torchcompile)); where a compiled row is capped, not by memory, '
+            'bigger cards do not raise it.',
             '',
             '**Confirmed**: one of timm\'s published GPU tables holds this model, and the CUDA model, run as that '
             'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
