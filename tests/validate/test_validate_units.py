@@ -200,3 +200,15 @@ def test_stock_defaults_pass_the_checks(tmp_path):
     args = build_validate_parser().parse_args([str(tmp_path)])
     assert check_validate_args(args) is None
     assert (args.batch_size, args.model, args.device, args.results_format) == (256, 'dpn92', 'cuda', 'csv')
+
+
+def test_validate_plans_the_compiled_forward_it_will_run():
+    """validate.py --torchcompile --estimate (and --retry's starting batch, which reads the same estimate) traces the
+    compiled forward: on test_convnext, whose LayerNorm and GELU chains inductor fuses, more fits than eager."""
+    from timm_ext.validate.args import parse_validate_args
+    from timm_ext.validate.batch_estimate import estimate_eval_batch
+    base = ['--model', 'test_convnext', '--amp', '--device', 'cuda', '--gpu', 'rtx4090', '--estimate']
+    eager = estimate_eval_batch(parse_validate_args(base), 'test_convnext', 'cuda')
+    compiled = estimate_eval_batch(parse_validate_args(base + ['--torchcompile']), 'test_convnext', 'cuda')
+    assert 'torch.compile inductor' in compiled.estimate.describe
+    assert compiled.batch_size > eager.batch_size * 1.05

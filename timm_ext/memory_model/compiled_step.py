@@ -15,7 +15,8 @@ replay treat a compiled step as an eager one.
 Modelled: the inductor backend; backends that run their graphs with aten ops (eager, aot_eager and its variants) run
 as themselves. Not modelled, and said in the plan (`unmodelled`): CUDA graphs (`--torchcompile-mode` reduce-overhead
 and max-autotune keep a private pool per graph; planned without them, as the probe runs), the scheduler's reordering
-for peak memory, and the backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager).
+for peak memory, the channels-last layout inductor gives convolutions (`GraphLowering.decide_layout_opt`: a copy of the
+graph's input), and the backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager).
 """
 import contextlib
 from typing import Dict, Iterator, List
@@ -40,7 +41,8 @@ def unmodelled(backend: str, mode: str) -> List[str]:
     """What of a `--torchcompile backend --torchcompile-mode mode` step the trace does not model, a phrase each."""
     if backend != 'inductor':
         return [f'the {backend} backend (planned as eager)'] if backend in _DEVICE_BACKENDS else []
-    notes = ['the scheduler reordering kernels for peak memory']
+    notes = ['the scheduler reordering kernels for peak memory',
+             'the channels-last copies of its layout optimization (an input-sized copy before the first convolution)']
     if mode in _GRAPH_MODES:
         notes.insert(0, f'{mode}\'s CUDA graph pools (planned without CUDA graphs, as the probe runs)')
     return notes
