@@ -104,3 +104,35 @@ def test_a_realized_node_takes_the_buffer_its_last_reader_frees():
     assert relu.realized and relu.inplace_of is not None and relu.inplace_of.target is aten.mm.default
     # a smaller output (a reduction) cannot take its input's buffer
     assert _plans(lambda x, w: torch.mm(x, w).sum(1), (8, 8), (8, 8))[0]['sum.dim_IntList'].inplace_of is None
+
+
+def _conv_graph(channels: int):
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, channels, 3), torch.nn.Conv2d(channels, channels, 1),
+                                torch.nn.Conv2d(channels, channels, 3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=aot_autograd(fw_compiler=keep))(torch.randn(2, 3, 16, 16))
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+def test_layout_optimization_copies_the_image_and_the_spatial_weights_to_channels_last():
+    """GraphLowering.decide_layout_opt (its batch taken static, as train.py compiles): on the CPU with oneDNN it
+    optimizes any graph with a convolution; on CUDA it skips one whose convolutions all have 64 channels or fewer.
+    The copies: the image (3 channels) and the 3x3 weights; a 1x1 weight is the same in both layouts."""
+    from timm_ext.memory_model.inductor_fusion import channels_last_inputs
+    graph = _conv_graph(128)
+    with torch.backends.mkldnn.flags(enabled=True):
+        copies = channels_last_inputs(graph, 'cpu', inference=True)
+    copied = [tuple(a.meta['val'].shape) for inputs in copies.values() for a in inputs]
+    assert (2, 3, 16, 16) in copied and (128, 3, 3, 3) in copied and (128, 128, 3, 3) in copied
+    assert (128, 128, 1, 1) not in copied
+    assert channels_last_inputs(graph, 'cuda', inference=False)  # 128 channels: not all small
+    assert not channels_last_inputs(_conv_graph(32), 'cuda', inference=False)

@@ -15,8 +15,7 @@ replay treat a compiled step as an eager one.
 Modelled: the inductor backend; backends that run their graphs with aten ops (eager, aot_eager and its variants) run
 as themselves. Not modelled, and said in the plan (`unmodelled`): CUDA graphs (`--torchcompile-mode` reduce-overhead
 and max-autotune keep a private pool per graph; planned without them, as the probe runs), the scheduler's reordering
-for peak memory, the channels-last layout inductor gives convolutions (`GraphLowering.decide_layout_opt`: a copy of the
-graph's input), and the backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager).
+for peak memory, and the backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager).
 """
 import contextlib
 from typing import Dict, Iterator, List
@@ -25,7 +24,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .inductor_fusion import plan_buffers
+from .inductor_fusion import channels_last_inputs, plan_buffers
 from .kernel_limits import KernelSizes
 from .live_bytes import LiveBytes
 
@@ -41,8 +40,7 @@ def unmodelled(backend: str, mode: str) -> List[str]:
     """What of a `--torchcompile backend --torchcompile-mode mode` step the trace does not model, a phrase each."""
     if backend != 'inductor':
         return [f'the {backend} backend (planned as eager)'] if backend in _DEVICE_BACKENDS else []
-    notes = ['the scheduler reordering kernels for peak memory',
-             'the channels-last copies of its layout optimization (an input-sized copy before the first convolution)']
+    notes = ['the scheduler reordering kernels for peak memory']
     if mode in _GRAPH_MODES:
         notes.insert(0, f'{mode}\'s CUDA graph pools (planned without CUDA graphs, as the probe runs)')
     return notes
@@ -61,10 +59,11 @@ class BufferRun:
         graph_module: The forward, backward or inference graph.
         device_type: The device whose lowering thresholds decide the fusion ('cuda' or 'cpu').
     """
-    def __init__(self, graph_module: fx.GraphModule, device_type: str):
+    def __init__(self, graph_module: fx.GraphModule, device_type: str, inference: bool = False):
         self._boxed_call = True  # an instance attribute: the wrappers AOTAutograd puts around it copy `__dict__`
         self.graph = graph_module.graph
         self.plans = plan_buffers(self.graph, device_type)
+        self.channels_last = channels_last_inputs(graph_module, device_type, inference)
         self.inputs = [n for n in self.graph.nodes if n.op == 'placeholder']
         self.last_reader: Dict[fx.Node, List[fx.Node]] = {}
         seen = set()
@@ -86,6 +85,9 @@ class BufferRun:
                     kernels.note(COMPILED_TENSOR, largest)
                 return fx.node.map_arg(node.args[0], env.__getitem__)
             if node.op == 'call_function':
+                for a in self.channels_last.get(node, ()):  # layout optimization: the input in channels-last
+                    if not env[a].is_contiguous(memory_format=torch.channels_last):
+                        env[a] = env[a].contiguous(memory_format=torch.channels_last)
                 plan = self.plans[node]
                 writes = plan.realized and plan.inplace_of is None
                 with _not_filing(trackers) if not writes else contextlib.nullcontext():
@@ -132,8 +134,11 @@ def _backend(device_type: str):
 
     def compiler(graph_module: fx.GraphModule, example_inputs) -> BufferRun:
         return BufferRun(graph_module, device_type)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
-                        decompositions=select_decomp_table())
+
+    def inference_compiler(graph_module: fx.GraphModule, example_inputs) -> BufferRun:
+        return BufferRun(graph_module, device_type, inference=True)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference_compiler,
+                        partition_fn=partition_fn, decompositions=select_decomp_table())
 
 
 @contextlib.contextmanager

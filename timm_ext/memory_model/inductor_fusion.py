@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch import fx
 
-__all__ = ['FusedNode', 'plan_buffers', 'op_kind']
+__all__ = ['FusedNode', 'plan_buffers', 'op_kind', 'channels_last_inputs']
 
 aten = torch.ops.aten
 # lowered as views though their schemas do not say so (torch/_inductor/lowering.py registers them with `view`)
@@ -202,6 +202,46 @@ def _same_bytes(a: fx.Node, b: fx.Node) -> bool:
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return False
     return statically_known_true(va.numel() * va.element_size() == vb.numel() * vb.element_size())
+
+
+def channels_last_inputs(graph_module: fx.GraphModule, device_type: str, inference: bool) -> Dict[fx.Node, List[fx.Node]]:
+    """The graph inputs a convolution reads in channels-last when inductor optimizes the layout: convolution node ->
+    its input and weight placeholders, copied in channels-last before it (none where the layout is not optimized).
+
+    `GraphLowering.decide_layout_opt` decides, as train.py's run compiles: its batch static (the trace's batch is
+    dynamic, which that function would take for a reason to skip), oneDNN as the run has it on the CPU and never on
+    CUDA. The generated code then copies each such input (the image, the convolution weights) to channels-last at
+    each call, and a training forward saves the copies for the backward.
+    """
+    from unittest import mock
+
+    from torch._inductor import graph as lowering_graph
+    mkldnn = torch.backends.mkldnn.enabled if device_type == 'cpu' else False
+    try:
+        with mock.patch.object(lowering_graph, 'has_free_symbols', lambda value: False), \
+                torch.backends.mkldnn.flags(enabled=mkldnn):
+            optimized = lowering_graph.GraphLowering.decide_layout_opt(graph_module, is_inference=inference)
+    except Exception:  # a graph the heuristic cannot read (symbolic FLOPs): inductor keeps the layout
+        optimized = False
+    if not optimized:
+        return {}
+    copies: Dict[fx.Node, List[fx.Node]] = {}
+    seen: Set[fx.Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op == 'call_function' and node.target is aten.convolution.default:
+            for a in node.args[:2]:
+                if isinstance(a, fx.Node) and a.op == 'placeholder' and a not in seen and _layout_differs(a):
+                    seen.add(a)
+                    copies.setdefault(node, []).append(a)
+    return copies
+
+
+def _layout_differs(node: fx.Node) -> bool:
+    """Whether a 4-d tensor's channels-last order differs from its contiguous one (channels and pixels both > 1)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    value = node.meta.get('val')
+    return (isinstance(value, torch.Tensor) and value.dim() == 4 and not statically_known_true(value.shape[1] == 1)
+            and not statically_known_true(value.shape[2] * value.shape[3] == 1))
 
 
 def _read_buffers(plans: Dict[fx.Node, FusedNode], node: fx.Node) -> List[fx.Node]:
