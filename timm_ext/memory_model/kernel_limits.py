@@ -24,6 +24,16 @@ differed); a tensor "fits 32-bit indexing" as `canUse32BitIndexMath` says: fewer
   The memory-efficient kernel, which takes masks, is documented as unlimited from timm's tables: maxvit's masked
   attention runs past 65535 rows.
 
+* The compiled step (`torch.compile`, inductor; evidence, not a source): in timm's torch 2.9.1 dynamo tables
+  (results/benchmark-infer-amp-nchw-pt291-*-dynamo.csv) many models run the same compiled batch on the RTX 4090, 5090
+  and Pro 6000 (24, 32 and 96 GB) while eager's grows with the memory: efficientnet_b5 at 448 px runs 256 compiled on
+  all three (eager 512, 768, 2048), tf_efficientnet_l2 at 800 px 24 (eager 32, 48, 192), maxvit_tiny_tf_512 96
+  (eager 128, 192, 768). Each is the largest rung at which the batch times the largest tensor of the compiled graphs
+  per sample (`COMPILED_TENSOR`, recorded by `timm_ext.memory_model.compiled_step`) stays under 2**31 elements
+  (`COMPILED_ELEMENTS`): 256 x 7,225,344 (efficientnet_b5's first stage-2 expansion, 144 x 224 x 224) fits and 384 x
+  it does not; maxvit_tiny_tf_512's 2**24 per sample fails at exactly 2**31 (128). The tables do not record the error;
+  whether torch 2.14.1's inductor keeps the cap is not known (no GPU has run it here): the plan keeps it, the safe side.
+
 `KernelSizes` records the largest size of each kind of op while a step is traced; `launch_limit` applies the rules
 above to those sizes per sample.
 """
@@ -34,10 +44,14 @@ from torch._prims_common import suggest_memory_format
 
 from .live_bytes import TraceMode
 
-__all__ = ['INDEX_ELEMENTS', 'ATTENTION_ROWS', 'KernelSizes', 'launch_limit']
+__all__ = ['INDEX_ELEMENTS', 'ATTENTION_ROWS', 'COMPILED_TENSOR', 'COMPILED_ELEMENTS', 'KernelSizes', 'launch_limit']
 
 INDEX_ELEMENTS = 2 ** 31 - 1  # canUse32BitIndexMath's max_elem: a tensor of this many elements or more does not fit
 ATTENTION_ROWS = 65535  # CUDA's maxGridSize[1]
+COMPILED_TENSOR = 'compiled tensor'  # the signature compiled_step notes the compiled graphs' largest tensor under
+# evidence from timm's dynamo tables (see the module doc): a compiled step whose largest tensor reaches this many
+# elements does not run
+COMPILED_ELEMENTS = 2 ** 31
 _CUDNN_DEPTHWISE_CHANNELS = 32  # use_cudnn_depthwise: "min 32 channels supported"
 # (op, where its stride, dilation and groups arguments sit): under inference_mode conv2d reaches the modes whole
 _CONVOLUTIONS = {torch.ops.aten.convolution.default: (3, 5, 8), torch.ops.aten.conv2d.default: (3, 5, 6)}
@@ -120,7 +134,7 @@ class KernelSizes(TraceMode):
         self.sizes: Dict[str, int] = {}
 
     def note(self, signature: str, size: int) -> None:
-        """Record a size of a kind of op (the compiled graphs' largest tensor, `timm_ext.memory_model.compiled_step`)."""
+        """Record a size of a kind of op (`compiled_step` notes its graphs' largest tensor, `COMPILED_TENSOR`)."""
         self.sizes[signature] = max(self.sizes.get(signature, 0), size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -136,6 +150,9 @@ def _limit(signature: str) -> Tuple[int, str]:
     """The size a kind of op must stay at or under, and why."""
     if signature == 'attention flash':
         return ATTENTION_ROWS, "flash attention's batch x windows reaches 65536 (a CUDA grid dimension)"
+    if signature == COMPILED_TENSOR:
+        return COMPILED_ELEMENTS - 1, ('a tensor of the compiled graphs reaches 2**31 elements (the cap of '
+                                       "timm's dynamo tables under torch 2.9.1)")
     what = 'an output of a depthwise convolution on PyTorch\'s kernel' if signature == 'depthwise native' \
         else f'{signature.removeprefix("pad ")} padding'
     return INDEX_ELEMENTS - 1, f'{what} reaches 2**31 - 1 elements (a 32-bit kernel)'
