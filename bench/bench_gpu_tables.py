@@ -111,6 +111,7 @@ ROWS_PER_FAMILY = {'train': 1, 'infer': 2}  # training traces cost four updates 
 SECOND_TRAIN_ROWS = 30  # families that give the training table a second row (their median model)
 LOWER_BOUND_ROWS = 12  # rows at the start value kept per eager table (lower bounds)
 COMPILED_BOUND_ROWS = 4  # the same, shared by the compiled tables
+BFLOAT16_MAX_PARAMS_M = 50  # the bfloat16 compiled table's rows: small models (a compiled trace grows with the depth)
 MAX_PARAMS_M = 400  # larger models take minutes to build for real before the trace
 
 
@@ -181,8 +182,9 @@ def select_rows(repo: str, groups: Sequence[str]) -> List[dict]:
 def select_compiled_rows(repo: str, known: set) -> List[dict]:
     """The compiled tables' rows, picked so that the float16 tables share their traces (a compiled trace costs
     several times an eager one): per family, the smallest and the median model of the rows the decay reached on
-    every float16 card, and `COMPILED_BOUND_ROWS` rows at the start value on every one; the bfloat16 table gets the
-    smallest per family and the same bounds (traces of their own)."""
+    every float16 card, and `COMPILED_BOUND_ROWS` rows at the start value on every one; the bfloat16 table, whose
+    batches are float16's on all but a few rows, the smallest per family up to `BFLOAT16_MAX_PARAMS_M` (traces of
+    their own)."""
     tables = {source: {(r['model'], r['img_size']): r for r in read_table(repo, source, known)}
               for source, table in TABLES.items() if table.compiled}
     float16 = [source for source in tables if TABLES[source].amp_dtype == 'float16']
@@ -195,9 +197,10 @@ def select_compiled_rows(repo: str, known: set) -> List[dict]:
     medians = [keys[len(keys) // 2] for keys in families.values() if len(keys) > 1]
     bounds = [(r['model'], r['img_size']) for r in
               largest_per_family([tables[float16[0]][k] for k in at_start], COMPILED_BOUND_ROWS)]
+    small = [k for k in smallest if tables[float16[0]][k]['params_m'] <= BFLOAT16_MAX_PARAMS_M]
     chosen = []
     for source, rows in tables.items():
-        keys = smallest + medians + bounds if source in float16 else smallest + bounds
+        keys = smallest + medians + bounds if source in float16 else small
         chosen += [rows[k] for k in sorted(set(keys)) if k in rows]
     return chosen
 
@@ -287,36 +290,35 @@ def miss_reason(estimate, batch: int, accumulating: bool) -> str:
 
 def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, dict]) -> List[str]:
     """One table's section: its decayed rows within the rung, the default plan above it, the misses, the bounds."""
-    decayed = [r for r in rows if r['next_rung']]
-    bounds = [r for r in rows if not r['next_rung']]
     headroom = plan_headroom(table.kind)
-    hits, over, misses, failed = 0, [], defaultdict(list), []
-    for r in decayed:
+    judged, failed = [], []  # (row, estimate, predicted batch) of every traced row
+    for r in rows:
         entry = cache.get(table.trace_key(r['model'], r['img_size']))
         if entry is None or 'error' in entry:
-            failed.append(r['model'])
+            failed += [r['model']] if r['next_rung'] else []
             continue
         estimate = to_estimate(entry, table)
-        b = largest(estimate, table)
-        if largest(estimate, table, headroom) >= r['next_rung']:
-            over.append(f"{r['model']}@{r['img_size']}")
+        judged.append((r, estimate, largest(estimate, table)))
+    decayed = [(r, e, b) for r, e, b in judged if r['next_rung']]
+    over = [f"{r['model']}@{r['img_size']}" for r, e, _ in decayed if largest(e, table, headroom) >= r['next_rung']]
+    hits, misses = 0, defaultdict(list)
+    for r, estimate, b in decayed:
         if r['batch'] <= b < r['next_rung']:
             hits += 1
-        else:
-            size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
-            reason = miss_reason(estimate, b, table.kind == 'train')
-            misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
-                                              f"rung {r['batch']}-{r['next_rung'] - 1}; {reason})")
-    judged = len(decayed) - len(failed)
-    families = len({family(r['model']) for r in decayed})
+            continue
+        size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
+        reason = miss_reason(estimate, b, table.kind == 'train')
+        misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
+                                          f"rung {r['batch']}-{r['next_rung'] - 1}; {reason})")
+    n, families = len(decayed), len({family(r['model']) for r in rows if r['next_rung']})
     tool = 'validate.py' if table.kind == 'infer' else 'tune_batch.py'
-    software = f"torch.compile, {table.amp_dtype} autocast" if table.compiled else f'eager, {table.amp_dtype} autocast'
+    software = ('torch.compile' if table.compiled else 'eager') + f', {table.amp_dtype} autocast'
     role = 'calibration' if table.calibrates else 'judge only (nothing calibrated on it)'
     lines = [f'## {table.card}, {software}: {source}', '', f'Role: {role}.', '',
-             f'Decayed rows: {len(decayed)} across {families} families; estimated {judged}; within the rung '
-             f'{hits} of {judged} ({hits / max(1, judged):.0%}).', '',
+             f'Decayed rows: {n + len(failed)} across {families} families; estimated {n}; within the rung '
+             f'{hits} of {n} ({hits / max(1, n):.0%}).', '',
              f"{tool}'s plan at its default headroom ({headroom:.0%}) above the rung (an out-of-memory or a failed "
-             f"launch on this card): {len(over)} of {judged} ({len(over) / max(1, judged):.1%})"
+             f"launch on this card): {len(over)} of {n} ({len(over) / max(1, n):.1%})"
              + (f": {', '.join(over)}." if over else '.'), '']
     if misses:
         lines += ['| family | misses: model@size, predicted (how far outside the rung; the rung; what holds it) |',
@@ -325,15 +327,32 @@ def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, d
         lines.append('')
     if failed:
         lines += [f'Not traced ({len(failed)}): {", ".join(failed)}.', '']
-    low = []
-    for r in bounds:
-        entry = cache.get(table.trace_key(r['model'], r['img_size']))
-        if entry and 'error' not in entry:
-            low.append((r, predicted(entry, source)))
+    lines += cap_lines(judged) if table.compiled else []
+    low = [(r, b) for r, _, b in judged if not r['next_rung']]
     reached = sum(b >= r['batch'] for r, b in low)
     return lines + [f'Lower bounds (rows at the start value {table.start}): the estimate reaches {reached} of '
                     f'{len(low)}' + (': below it ' + ', '.join(f"{r['model']}@{r['img_size']} {b}" for r, b in low
                                                             if b < r['batch']) if reached < len(low) else '') + '.', '']
+
+
+def cap_lines(judged: List[tuple]) -> List[str]:
+    """The compiled launch cap (`kernel_limits.COMPILED_TENSOR`) against a compiled table's (row, estimate,
+    predicted batch): the rows whose prediction it holds, those of them within the rung, and every row it caps below
+    the batch the table ran (a wrong cap)."""
+    from timm_ext.memory_model.kernel_limits import COMPILED_TENSOR, launch_limit
+    held, in_rung, wrong = 0, 0, []
+    for r, estimate, b in judged:
+        size = estimate.kernel_sizes.get(COMPILED_TENSOR)
+        cap = launch_limit({COMPILED_TENSOR: size})[0] if size else None
+        if cap is None:
+            continue
+        held += b == cap
+        in_rung += b == cap and r['batch'] <= cap < (r['next_rung'] or cap + 1)
+        if cap < r['batch']:
+            wrong.append(f"{r['model']}@{r['img_size']} {cap} (ran {r['batch']})")
+    return [f'The compiled cap (a tensor of the compiled graphs reaching 2**31 elements) holds the prediction of '
+            f'{held} rows, {in_rung} of them within the rung; it caps {len(wrong)} of {len(judged)} rows below the '
+            f'batch the table ran' + (f": {', '.join(wrong)}." if wrong else '.'), '']
 
 
 def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
