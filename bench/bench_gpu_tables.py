@@ -336,23 +336,22 @@ def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, d
 
 
 def cap_lines(judged: List[tuple]) -> List[str]:
-    """The compiled launch cap (`kernel_limits.COMPILED_TENSOR`) against a compiled table's (row, estimate,
-    predicted batch): the rows whose prediction it holds, those of them within the rung, and every row it caps below
-    the batch the table ran (a wrong cap)."""
-    from timm_ext.memory_model.kernel_limits import COMPILED_TENSOR, launch_limit
+    """The compiled launch cap (`kernel_limits.CONVOLUTION` in a compiled trace) against a compiled table's (row,
+    estimate, predicted batch): the rows whose prediction it holds, those of them within the rung, and every row it
+    caps below the batch the table ran (a wrong cap)."""
+    from timm_ext.memory_model.kernel_limits import COMPILED_TENSOR, CONVOLUTION, launch_limit
     held, in_rung, wrong = 0, 0, []
     for r, estimate, b in judged:
-        size = estimate.kernel_sizes.get(COMPILED_TENSOR)
-        cap = launch_limit({COMPILED_TENSOR: size})[0] if size else None
+        cap = launch_limit({k: v for k, v in estimate.kernel_sizes.items() if k in (CONVOLUTION, COMPILED_TENSOR)})[0]
         if cap is None:
             continue
         held += b == cap
         in_rung += b == cap and r['batch'] <= cap < (r['next_rung'] or cap + 1)
         if cap < r['batch']:
             wrong.append(f"{r['model']}@{r['img_size']} {cap} (ran {r['batch']})")
-    return [f'The compiled cap (a tensor of the compiled graphs reaching 2**31 elements) holds the prediction of '
-            f'{held} rows, {in_rung} of them within the rung; it caps {len(wrong)} of {len(judged)} rows below the '
-            f'batch the table ran' + (f": {', '.join(wrong)}." if wrong else '.'), '']
+    return [f'The compiled cap (a convolution of the compiled graphs reaching 2**31 elements) holds the prediction '
+            f'of {held} rows, {in_rung} of them within the rung; it caps {len(wrong)} of {len(judged)} rows below '
+            f'the batch the table ran' + (f": {', '.join(wrong)}." if wrong else '.'), '']
 
 
 def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
