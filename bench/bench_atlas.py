@@ -89,12 +89,12 @@ def confirmations() -> Dict[tuple, str]:
     import bench_gpu_tables as tables
     cache, found = tables.read_cache(), {}
     for r in tables.read_rows():
-        kind, _, card, _, _ = tables.TABLES[r['source']]
-        entry = cache.get(tables.trace_key(kind, r['model'], r['img_size']))
-        if not r['next_rung'] or entry is None or 'error' in entry:
+        table = tables.TABLES[r['source']]
+        entry = cache.get(table.trace_key(r['model'], r['img_size']))
+        if table.compiled or not r['next_rung'] or entry is None or 'error' in entry:  # the atlas plans eager steps
             continue
         if r['batch'] <= tables.predicted(entry, r['source']) < r['next_rung']:
-            found.setdefault((r['model'], kind), []).append(f"{card.rsplit(' ', 2)[0]} {r['img_size']} px")
+            found.setdefault((r['model'], table.kind), []).append(f"{table.card.rsplit(' ', 2)[0]} {r['img_size']} px")
     return {key: ', '.join(v) for key, v in found.items()}
 
 

@@ -1,7 +1,7 @@
 """The CUDA memory estimate against timm's published GPU tables: does the predicted largest batch land in its rung?
 
     python bench/bench_gpu_tables.py                  # every row of bench/gpu_tables.csv (traces cached)
-    python bench/bench_gpu_tables.py --table train    # one table
+    python bench/bench_gpu_tables.py --table train    # one kind of table: train, infer (eager) or compiled
     python bench/bench_gpu_tables.py --select-rows /path/to/pytorch-image-models   # rewrite the data file
 
 timm's `benchmark.py` starts each model at one batch (512 for training, 1024 or 2048 for inference) and after an
@@ -16,12 +16,16 @@ Each table's software is modelled as timm ran it:
   outside the allocator is larger (`timm_ext.memory_model.cards.CONTEXTS`, 'cuda11 eager loading').
 * infer, RTX 5090 and RTX Pro 6000 Max-Q (torch 2.9.1, CUDA 13.0): AMP float16, `inference_mode`, a forward with the
   weights alone resident (validate.py's estimate), fused attention, the context of today's lazy loading.
+* compiled (timm's `*-dynamo.csv`: the same forward under `torch.compile`, inductor): estimated with `--torchcompile`,
+  which traces the compiled graphs as inductor runs them (`timm_ext.memory_model.compiled_step`); the Pro 6000's
+  bfloat16-autocast table with `--amp-dtype bfloat16`. The RTX 5090 and RTX Pro 6000 tables may calibrate the model
+  (issue 40); the RTX 4090's (torch 2.9.1, CUDA 12.8) only judges it.
 
-The cards are tune_batch.py's named cards (`timm_ext.memory_model.cards`: rtx3090, rtx5090, rtx-pro-6000-max-q):
-their memory as CUDA reports it and their compute capability, each with its source.
-Traces are cached in bench/results/ by model, size and step; `--fresh` traces again, `--shard 0/2` and `--shard 1/2`
-in two processes trace half each. Nothing is fitted here: the report says how each constant of the CUDA model was
-set.
+The cards are tune_batch.py's named cards (`timm_ext.memory_model.cards`: rtx3090, rtx4090, rtx5090,
+rtx-pro-6000-max-q): their memory as CUDA reports it and their compute capability, each with its source. Traces are
+cached in bench/results/ by software, model and size (`Table.trace_key`: the tables of one software on several cards
+share them); `--fresh` traces again, `--shard 0/2` and `--shard 1/2` in two processes trace half each. Nothing is
+fitted here: the report says how each constant of the CUDA model was set.
 """
 import argparse
 import csv
@@ -31,7 +35,8 @@ import re
 import sys
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -41,22 +46,72 @@ from timm_ext.memory_model.cards import CARDS, CONTEXTS  # noqa: E402
 DATA = os.path.join(ROOT, 'bench', 'gpu_tables.csv')
 CACHE_DIR = os.path.join(ROOT, 'bench', 'results')
 CACHE_NAME = 'gpu_tables_traces'  # one JSON file a shard: <name>.<i>of<n>.json
-TABLE_CARDS = {  # source file -> (kind, start batch, card, its name in timm_ext.memory_model.cards)
-    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': ('train', 512, 'RTX 3090 24 GB', 'rtx3090'),
-    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': ('infer', 1024, 'RTX 5090 32 GB', 'rtx5090'),
-    'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': ('infer', 2048, 'RTX Pro 6000 Max-Q 96 GB',
-                                                             'rtx-pro-6000-max-q'),
+
+
+@dataclass(frozen=True)
+class Table:
+    """One published table and the software it ran.
+
+    Attributes:
+        kind: 'train' (an update) or 'infer' (a forward).
+        start: The batch `benchmark.py` started at (a row there is a lower bound only).
+        card: The card as the report names it.
+        card_name: Its name in `timm_ext.memory_model.cards`.
+        compiled: A dynamo table: the model ran under `torch.compile` (inductor); estimated with `--torchcompile`.
+        amp_dtype: The autocast dtype.
+        calibrates: The issue lets the model be calibrated on it (False: the table only judges).
+    """
+    kind: str
+    start: int
+    card: str
+    card_name: str
+    compiled: bool = False
+    amp_dtype: str = 'float16'
+    calibrates: bool = True
+
+    @property
+    def group(self) -> str:
+        """What `--table` selects it by: 'train', 'infer' (eager) or 'compiled'."""
+        return 'compiled' if self.compiled else self.kind
+
+    @property
+    def reported_bytes(self) -> int:
+        return CARDS[self.card_name].reported_bytes
+
+    @property
+    def compute_capability(self) -> Tuple[int, int]:
+        return CARDS[self.card_name].compute_capability
+
+    def trace_key(self, model: str, img_size: int) -> str:
+        """The cache's key: tables that ran the same software on different cards share a trace."""
+        software = self.kind + ('+compile' if self.compiled else '') + \
+            (f'+{self.amp_dtype}' if self.amp_dtype != 'float16' else '')
+        return f'{software}:{model}:{img_size}'
+
+
+_5090, _PRO6000 = 'RTX 5090 32 GB', 'RTX Pro 6000 Max-Q 96 GB'
+TABLES = {  # source file -> the table
+    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': Table('train', 512, 'RTX 3090 24 GB', 'rtx3090'),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': Table('infer', 1024, _5090, 'rtx5090'),
+    'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': Table('infer', 2048, _PRO6000, 'rtx-pro-6000-max-q'),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090-dynamo.csv': Table('infer', 1024, _5090, 'rtx5090', compiled=True),
+    'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq-dynamo.csv': Table('infer', 2048, _PRO6000,
+                                                                         'rtx-pro-6000-max-q', compiled=True),
+    'benchmark-infer-amp_bf16-nchw-pt291-cu130-pro6000maxq-dynamo.csv': Table(
+        'infer', 2048, _PRO6000, 'rtx-pro-6000-max-q', compiled=True, amp_dtype='bfloat16'),
+    # the issue's judge: nothing is calibrated on it (CUDA 12.8: the same lazy-loading context)
+    'benchmark-infer-amp-nchw-pt291-cu128-4090-dynamo.csv': Table('infer', 1024, 'RTX 4090 24 GB', 'rtx4090',
+                                                                  compiled=True, calibrates=False),
 }
-# source file -> (kind, start batch, card, the memory CUDA reports for it, its compute capability)
-TABLES = {source: (kind, start, card, CARDS[name].reported_bytes, CARDS[name].compute_capability)
-          for source, (kind, start, card, name) in TABLE_CARDS.items()}
 CONTEXT_BYTES = {'train': CONTEXTS['cuda11 eager loading'].nbytes,  # CUDA 11.3: every module loaded at start
-                 'infer': CONTEXTS['cuda12 lazy loading'].nbytes}  # CUDA 13.0: lazy loading
+                 'infer': CONTEXTS['cuda12 lazy loading'].nbytes}  # CUDA 12.8 and 13.0: lazy loading
 TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
 INFER_FLAGS = ('--amp', '--no-prefetcher')
 ROWS_PER_FAMILY = {'train': 1, 'infer': 2}  # training traces cost four updates each
 SECOND_TRAIN_ROWS = 30  # families that give the training table a second row (their median model)
-LOWER_BOUND_ROWS = 12  # rows at the start value kept per table (lower bounds)
+LOWER_BOUND_ROWS = 12  # rows at the start value kept per eager table (lower bounds)
+COMPILED_BOUND_ROWS = 4  # the same, shared by the compiled tables
+BFLOAT16_MAX_PARAMS_M = 50  # the bfloat16 compiled table's rows: small models (a compiled trace grows with the depth)
 MAX_PARAMS_M = 400  # larger models take minutes to build for real before the trace
 
 
@@ -66,44 +121,87 @@ def family(model: str) -> str:
     return re.match(r'[a-z]+', name).group(0)
 
 
-def select_rows(repo: str) -> List[dict]:
-    """Pick the data file's rows from a timm checkout: per table and family, the smallest model the decay reached and
-    for inference (and `SECOND_TRAIN_ROWS` training families) the median one, every decayed row of the atlas's models
-    (`bench_atlas.MODELS`), and a few rows at the start value."""
+def read_table(repo: str, source: str, known: set) -> List[dict]:
+    """A published table's rows from a timm checkout (models this timm knows, up to `MAX_PARAMS_M`), each with the
+    rung above its batch (`next_rung`, '' for a row at the start value)."""
     import subprocess
-    import timm
     from timm.utils import decay_batch_step
+    table = TABLES[source]
+    text = subprocess.run(['git', '-C', repo, 'show', f'HEAD:results/{source}'], capture_output=True, text=True,
+                          check=True).stdout
+    rows = []
+    for r in csv.DictReader(text.splitlines()):
+        if r['model'] not in known or float(r['param_count']) > MAX_PARAMS_M:
+            continue
+        batch = int(r[f'{table.kind}_batch_size'])
+        upper = table.start
+        while batch < table.start and decay_batch_step(upper) > batch:
+            upper = decay_batch_step(upper)
+        rows.append(dict(source=source, model=r['model'], img_size=int(r[f'{table.kind}_img_size']), batch=batch,
+                         next_rung=upper if batch < table.start else '', params_m=float(r['param_count'])))
+    return rows
+
+
+def largest_per_family(rows: List[dict], limit: int) -> List[dict]:
+    """Up to `limit` rows, the largest model of as many families (the largest come nearest a lower bound)."""
+    chosen, seen = [], set()
+    for r in sorted(rows, key=lambda r: r['params_m'], reverse=True):
+        if family(r['model']) not in seen and len(seen) < limit:
+            seen.add(family(r['model']))
+            chosen.append(r)
+    return chosen
+
+
+def select_rows(repo: str, groups: Sequence[str]) -> List[dict]:
+    """Pick the data file's rows of the eager tables in `groups` from a timm checkout: per table and family, the
+    smallest model the decay reached and for inference (and `SECOND_TRAIN_ROWS` training families) the median one,
+    every decayed row of the atlas's models (`bench_atlas.MODELS`), and a few rows at the start value; the compiled
+    tables' rows as `select_compiled_rows` picks them."""
+    import timm
     from bench_atlas import MODELS as ATLAS_MODELS
     known = set(timm.list_models())
     chosen = []
-    for source, (kind, start, _, _, _) in TABLES.items():
-        text = subprocess.run(['git', '-C', repo, 'show', f'HEAD:results/{source}'], capture_output=True, text=True,
-                              check=True).stdout
-        decayed, bounds = defaultdict(list), []
-        for r in csv.DictReader(text.splitlines()):
-            if r['model'] not in known or float(r['param_count']) > MAX_PARAMS_M:
-                continue
-            batch = int(r[f'{kind}_batch_size'])
-            row = dict(source=source, model=r['model'], img_size=int(r[f'{kind}_img_size']), batch=batch,
-                       params_m=float(r['param_count']))
-            if batch >= start:
-                bounds.append(dict(row, next_rung=''))
-                continue
-            upper = start
-            while decay_batch_step(upper) > batch:
-                upper = decay_batch_step(upper)
-            decayed[family(r['model'])].append(dict(row, next_rung=upper))
-        for n, rows in enumerate(decayed[f] for f in sorted(decayed)):
-            rows.sort(key=lambda r: r['params_m'])
-            second = ROWS_PER_FAMILY[kind] > 1 or n < SECOND_TRAIN_ROWS
-            picks = {0, len(rows) // 2} if second else {0}
-            picks |= {i for i, r in enumerate(rows) if r['model'] in ATLAS_MODELS}
-            chosen += [rows[i] for i in sorted(picks)]
-        seen = set()
-        for r in sorted(bounds, key=lambda r: r['params_m'], reverse=True):  # the largest come nearest the bound
-            if family(r['model']) not in seen and len(seen) < LOWER_BOUND_ROWS:
-                seen.add(family(r['model']))
-                chosen.append(r)
+    for source, table in TABLES.items():
+        if table.group not in groups or table.compiled:
+            continue
+        rows = read_table(repo, source, known)
+        decayed = defaultdict(list)
+        for r in rows:
+            if r['next_rung']:
+                decayed[family(r['model'])].append(r)
+        for n, rows_of_family in enumerate(decayed[f] for f in sorted(decayed)):
+            rows_of_family.sort(key=lambda r: r['params_m'])
+            second = ROWS_PER_FAMILY[table.kind] > 1 or n < SECOND_TRAIN_ROWS
+            picks = {0, len(rows_of_family) // 2} if second else {0}
+            picks |= {i for i, r in enumerate(rows_of_family) if r['model'] in ATLAS_MODELS}
+            chosen += [rows_of_family[i] for i in sorted(picks)]
+        chosen += largest_per_family([r for r in rows if not r['next_rung']], LOWER_BOUND_ROWS)
+    return chosen + (select_compiled_rows(repo, known) if 'compiled' in groups else [])
+
+
+def select_compiled_rows(repo: str, known: set) -> List[dict]:
+    """The compiled tables' rows, picked so that the float16 tables share their traces (a compiled trace costs
+    several times an eager one): per family, the smallest and the median model of the rows the decay reached on
+    every float16 card, and `COMPILED_BOUND_ROWS` rows at the start value on every one; the bfloat16 table, whose
+    batches are float16's on all but a few rows, the smallest per family up to `BFLOAT16_MAX_PARAMS_M` (traces of
+    their own)."""
+    tables = {source: {(r['model'], r['img_size']): r for r in read_table(repo, source, known)}
+              for source, table in TABLES.items() if table.compiled}
+    float16 = [source for source in tables if TABLES[source].amp_dtype == 'float16']
+    decayed = set.intersection(*({k for k, r in tables[s].items() if r['next_rung']} for s in float16))
+    at_start = set.intersection(*({k for k, r in tables[s].items() if not r['next_rung']} for s in float16))
+    families = defaultdict(list)
+    for key in sorted(decayed, key=lambda k: tables[float16[0]][k]['params_m']):
+        families[family(key[0])].append(key)
+    smallest = [keys[0] for keys in families.values()]
+    medians = [keys[len(keys) // 2] for keys in families.values() if len(keys) > 1]
+    bounds = [(r['model'], r['img_size']) for r in
+              largest_per_family([tables[float16[0]][k] for k in at_start], COMPILED_BOUND_ROWS)]
+    small = [k for k in smallest if tables[float16[0]][k]['params_m'] <= BFLOAT16_MAX_PARAMS_M]
+    chosen = []
+    for source, rows in tables.items():
+        keys = smallest + medians + bounds if source in float16 else small
+        chosen += [rows[k] for k in sorted(set(keys)) if k in rows]
     return chosen
 
 
@@ -130,17 +228,17 @@ def read_cache() -> Dict[str, dict]:
     return cache
 
 
-def trace_key(kind: str, model: str, img_size: int) -> str:
-    return f'{kind}:{model}:{img_size}'
-
-
-def trace(kind: str, model: str, img_size: int) -> dict:
-    """One estimate as the table's software ran it (see the module doc); a dict for the cache."""
+def trace(key: str) -> dict:
+    """One estimate as the table's software ran it (the software and the row named by `Table.trace_key`'s key); a
+    dict for the cache."""
     import timm.layers
     from timm_ext.memory_model.estimate import EstimateError, estimate_memory
     from timm_ext.train.args import parse_args
-    flags = TRAIN_FLAGS if kind == 'train' else INFER_FLAGS
-    args, _ = parse_args(['--model', model, '--img-size', str(img_size), '--device', 'cuda', '--num-classes', '1000',
+    software, model, img_size = key.split(':')
+    kind, *options = software.split('+')
+    flags = [*(TRAIN_FLAGS if kind == 'train' else INFER_FLAGS), *(['--torchcompile'] if 'compile' in options else []),
+             *(['--amp-dtype', 'bfloat16'] if 'bfloat16' in options else [])]
+    args, _ = parse_args(['--model', model, '--img-size', img_size, '--device', 'cuda', '--num-classes', '1000',
                           *flags])
     args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
     timm.layers.set_fused_attn(kind != 'train')  # the traced child builds the model with this setting
@@ -151,25 +249,24 @@ def trace(kind: str, model: str, img_size: int) -> dict:
     return e.to_json()
 
 
-def to_estimate(entry: dict, kind: str, compute_capability: Tuple[int, int]):
+def to_estimate(entry: dict, table: Table):
     """A cached trace as the estimate for its table's software and card (see the module doc)."""
     from timm_ext.memory_model.replay import ReplayConfig
     from timm_ext.memory_model.devices import device_model
     from timm_ext.memory_model.estimate import MemoryEstimate
-    return MemoryEstimate.from_json(entry, device_model('cuda'), ReplayConfig(compute_capability=compute_capability))
+    config = ReplayConfig(compute_capability=table.compute_capability)
+    return MemoryEstimate.from_json(entry, device_model('cuda'), config)
 
 
 def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
     """The largest batch the estimate puts on the table's card, within `headroom` of its usable memory."""
-    kind, compute_capability = TABLES[source][0], TABLES[source][4]
-    return largest(to_estimate(entry, kind, compute_capability), source, headroom)
+    return largest(to_estimate(entry, TABLES[source]), TABLES[source], headroom)
 
 
-def largest(estimate, source: str, headroom: float = 0.0) -> int:
-    kind, card_bytes = TABLES[source][0], TABLES[source][3]
+def largest(estimate, table: Table, headroom: float = 0.0) -> int:
     # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
-    usable = card_bytes - CONTEXT_BYTES[kind]  # what the allocator had: the card less the CUDA context
-    return estimate.largest_batch(usable * (1 - headroom), accumulating=kind == 'train')
+    usable = table.reported_bytes - CONTEXT_BYTES[table.kind]  # what the allocator had: the card less the context
+    return estimate.largest_batch(usable * (1 - headroom), accumulating=table.kind == 'train')
 
 
 def plan_headroom(kind: str) -> float:
@@ -191,58 +288,80 @@ def miss_reason(estimate, batch: int, accumulating: bool) -> str:
     return f"allocator and kernels {split.get('segments', 0) / total:.0%} of the peak"
 
 
+def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, dict]) -> List[str]:
+    """One table's section: its decayed rows within the rung, the default plan above it, the misses, the bounds."""
+    headroom = plan_headroom(table.kind)
+    judged, failed = [], []  # (row, estimate, predicted batch) of every traced row
+    for r in rows:
+        entry = cache.get(table.trace_key(r['model'], r['img_size']))
+        if entry is None or 'error' in entry:
+            failed += [r['model']] if r['next_rung'] else []
+            continue
+        estimate = to_estimate(entry, table)
+        judged.append((r, estimate, largest(estimate, table)))
+    decayed = [(r, e, b) for r, e, b in judged if r['next_rung']]
+    over = [f"{r['model']}@{r['img_size']}" for r, e, _ in decayed if largest(e, table, headroom) >= r['next_rung']]
+    hits, misses = 0, defaultdict(list)
+    for r, estimate, b in decayed:
+        if r['batch'] <= b < r['next_rung']:
+            hits += 1
+            continue
+        size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
+        reason = miss_reason(estimate, b, table.kind == 'train')
+        misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
+                                          f"rung {r['batch']}-{r['next_rung'] - 1}; {reason})")
+    n, families = len(decayed), len({family(r['model']) for r in rows if r['next_rung']})
+    tool = 'validate.py' if table.kind == 'infer' else 'tune_batch.py'
+    software = ('torch.compile' if table.compiled else 'eager') + f', {table.amp_dtype} autocast'
+    role = 'calibration' if table.calibrates else 'judge only (nothing calibrated on it)'
+    lines = [f'## {table.card}, {software}: {source}', '', f'Role: {role}.', '',
+             f'Decayed rows: {n + len(failed)} across {families} families; estimated {n}; within the rung '
+             f'{hits} of {n} ({hits / max(1, n):.0%}).', '',
+             f"{tool}'s plan at its default headroom ({headroom:.0%}) above the rung (an out-of-memory or a failed "
+             f"launch on this card): {len(over)} of {n} ({len(over) / max(1, n):.1%})"
+             + (f": {', '.join(over)}." if over else '.'), '']
+    if misses:
+        lines += ['| family | misses: model@size, predicted (how far outside the rung; the rung; what holds it) |',
+                  '|---|---|']
+        lines += [f'| {fam} | {"; ".join(items)} |' for fam, items in sorted(misses.items())]
+        lines.append('')
+    if failed:
+        lines += [f'Not traced ({len(failed)}): {", ".join(failed)}.', '']
+    lines += cap_lines(judged) if table.compiled else []
+    low = [(r, b) for r, _, b in judged if not r['next_rung']]
+    reached = sum(b >= r['batch'] for r, b in low)
+    return lines + [f'Lower bounds (rows at the start value {table.start}): the estimate reaches {reached} of '
+                    f'{len(low)}' + (': below it ' + ', '.join(f"{r['model']}@{r['img_size']} {b}" for r, b in low
+                                                            if b < r['batch']) if reached < len(low) else '') + '.', '']
+
+
+def cap_lines(judged: List[tuple]) -> List[str]:
+    """The compiled launch cap (`kernel_limits.CONVOLUTION` in a compiled trace) against a compiled table's (row,
+    estimate, predicted batch): the rows whose prediction it holds, those of them within the rung, and every row it
+    caps below the batch the table ran (a wrong cap)."""
+    from timm_ext.memory_model.kernel_limits import COMPILED_TENSOR, CONVOLUTION, launch_limit
+    held, in_rung, wrong = 0, 0, []
+    for r, estimate, b in judged:
+        cap = launch_limit({k: v for k, v in estimate.kernel_sizes.items() if k in (CONVOLUTION, COMPILED_TENSOR)})[0]
+        if cap is None:
+            continue
+        held += b == cap
+        in_rung += b == cap and r['batch'] <= cap < (r['next_rung'] or cap + 1)
+        if cap < r['batch']:
+            wrong.append(f"{r['model']}@{r['img_size']} {cap} (ran {r['batch']})")
+    return [f'The compiled cap (a convolution of the compiled graphs reaching 2**31 elements) holds the prediction '
+            f'of {held} rows, {in_rung} of them within the rung; it caps {len(wrong)} of {len(judged)} rows below '
+            f'the batch the table ran' + (f": {', '.join(wrong)}." if wrong else '.'), '']
+
+
 def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
     lines = []
-    for source, (kind, start, card, _, compute_capability) in TABLES.items():
+    for source, table in TABLES.items():
         mine = [r for r in rows if r['source'] == source]
-        if not mine:
-            continue
-        decayed = [r for r in mine if r['next_rung']]
-        bounds = [r for r in mine if not r['next_rung']]
-        headroom = plan_headroom(kind)
-        hits, over, misses, failed = 0, [], defaultdict(list), []
-        for r in decayed:
-            entry = cache.get(trace_key(kind, r['model'], r['img_size']))
-            if entry is None or 'error' in entry:
-                failed.append(r['model'])
-                continue
-            estimate = to_estimate(entry, kind, compute_capability)
-            b = largest(estimate, source)
-            if largest(estimate, source, headroom) >= r['next_rung']:
-                over.append(f"{r['model']}@{r['img_size']}")
-            if r['batch'] <= b < r['next_rung']:
-                hits += 1
-            else:
-                size = b / r['batch'] - 1 if b < r['batch'] else b / r['next_rung'] - 1
-                reason = miss_reason(estimate, b, kind == 'train')
-                misses[family(r['model'])].append(f"{r['model']}@{r['img_size']} {b} ({size:+.0%}; "
-                                                  f"rung {r['batch']}-{r['next_rung'] - 1}; {reason})")
-        judged = len(decayed) - len(failed)
-        families = len({family(r['model']) for r in decayed})
-        tool = 'validate.py' if kind == 'infer' else 'tune_batch.py'
-        lines += [f'## {card}: {source}', '',
-                  f'Decayed rows: {len(decayed)} across {families} families; estimated {judged}; within the rung '
-                  f'{hits} of {judged} ({hits / max(1, judged):.0%}).', '',
-                  f"{tool}'s plan at its default headroom ({headroom:.0%}) above the rung (an out-of-memory on this "
-                  f"card): {len(over)} of {judged} ({len(over) / max(1, judged):.1%})"
-                  + (f": {', '.join(over)}." if over else '.'), '']
-        if misses:
-            lines += ['| family | misses: model@size, predicted (how far outside the rung; the rung; what holds it) |',
-                      '|---|---|']
-            lines += [f'| {fam} | {"; ".join(items)} |' for fam, items in sorted(misses.items())]
-            lines.append('')
-        if failed:
-            lines += [f'Not traced ({len(failed)}): {", ".join(failed)}.', '']
-        low = []
-        for r in bounds:
-            entry = cache.get(trace_key(kind, r['model'], r['img_size']))
-            if entry and 'error' not in entry:
-                low.append((r, predicted(entry, source)))
-        reached = sum(b >= r['batch'] for r, b in low)
-        lines += [f'Lower bounds (rows at the start value {start}): the estimate reaches {reached} of {len(low)}'
-                  + (': below it ' + ', '.join(f"{r['model']}@{r['img_size']} {b}" for r, b in low
-                                               if b < r['batch']) if reached < len(low) else '') + '.', '']
-    traced = [e['seconds'] for e in cache.values() if 'seconds' in e]
+        if mine:
+            lines += table_report(source, table, mine, cache)
+    keys = {TABLES[r['source']].trace_key(r['model'], r['img_size']) for r in rows}
+    traced = [cache[k]['seconds'] for k in keys if 'seconds' in cache.get(k, {})]
     median = sorted(traced)[len(traced) // 2] if traced else 0.0
     lines.append(f'Traces: {len(traced)}, {sum(traced):.0f} s of tracing in all (median {median:.1f} s); this run '
                  f'{seconds:.0f} s.')
@@ -251,30 +370,33 @@ def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--table', choices=('train', 'infer'), default=None, help='only this kind of table')
+    parser.add_argument('--table', choices=('train', 'infer', 'compiled'), default=None,
+                        help="only these tables: 'train', 'infer' (eager) or 'compiled' (timm's dynamo tables)")
     parser.add_argument('--fresh', action='store_true', help='trace again even where a cached trace exists')
     parser.add_argument('--select-rows', metavar='TIMM_REPO', default=None,
-                        help='rewrite bench/gpu_tables.csv from a timm checkout, then stop')
+                        help="rewrite bench/gpu_tables.csv's rows of the tables (of --table's, the others kept) from "
+                             "a timm checkout, then stop")
     parser.add_argument('--shard', default='0/1', metavar='I/N', help='trace only every N-th trace from the I-th')
     parser.add_argument('--output', default=os.path.join(ROOT, 'bench', 'results', 'gpu_tables.md'))
     args = parser.parse_args(argv)
+    groups = (args.table,) if args.table else ('train', 'infer', 'compiled')
     if args.select_rows:
-        rows = select_rows(args.select_rows)
-        write_rows(rows)
-        print(f'{len(rows)} rows written to {DATA}')
+        kept = [r for r in read_rows() if TABLES[r['source']].group not in groups]
+        rows = select_rows(args.select_rows, groups)
+        write_rows(kept + rows)
+        print(f'{len(rows)} rows written to {DATA} ({len(kept)} of other tables kept)')
         return 0
     started = time.perf_counter()
-    rows = [r for r in read_rows() if args.table in (None, TABLES[r['source']][0])]
+    rows = [r for r in read_rows() if TABLES[r['source']].group in groups]
     shard, shards = map(int, args.shard.split('/'))
     own = os.path.join(CACHE_DIR, f'{CACHE_NAME}.{shard}of{shards}.json')
     cache = {} if args.fresh else read_cache()
-    keys = sorted({trace_key(TABLES[r['source']][0], r['model'], r['img_size']) for r in rows})
+    keys = sorted({TABLES[r['source']].trace_key(r['model'], r['img_size']) for r in rows})
     todo = [k for i, k in enumerate(keys) if i % shards == shard and k not in cache]
     mine = {} if args.fresh or not os.path.exists(own) else json.load(open(own))
     os.makedirs(CACHE_DIR, exist_ok=True)
     for i, key in enumerate(todo, 1):
-        kind, model, img = key.split(':')
-        mine[key] = trace(kind, model, int(img))
+        mine[key] = trace(key)
         status = mine[key].get('error') or f"{mine[key]['seconds']:.1f} s"
         print(f'[{i}/{len(todo)}] {key}: {status}', flush=True)
         with open(own + '.tmp', 'w') as f:

@@ -24,6 +24,21 @@ differed); a tensor "fits 32-bit indexing" as `canUse32BitIndexMath` says: fewer
   The memory-efficient kernel, which takes masks, is documented as unlimited from timm's tables: maxvit's masked
   attention runs past 65535 rows.
 
+* The compiled step's convolutions (`torch.compile`, inductor; evidence, not a source): in timm's torch 2.9.1 dynamo
+  tables (results/benchmark-infer-amp-nchw-pt291-*-dynamo.csv) convolutional models run the same compiled batch on the
+  RTX 4090, 5090 and Pro 6000 (24, 32 and 96 GB) while eager's grows with the memory: efficientnet_b5 at 448 px runs
+  256 compiled on all three (eager 512, 768, 2048), efficientnet_lite3 at 300 px 512 (eager 1024, 1024, 2048),
+  legacy_xception 768 (eager 768, 1024, 2048). Each is the largest rung at which the batch times the larger tensor of
+  a convolution (input or output, per sample) stays under 2**31 elements (`COMPILED_ELEMENTS`): efficientnet_b5's
+  first stage-2 expansion, 144 x 224 x 224 = 7,225,344 per sample, fits 256 times and not 384. The cap follows the
+  convolutions, not the compiled graphs' largest tensor (`COMPILED_TENSOR`, which `timm_ext.memory_model.
+  compiled_step` notes and which only marks a trace as compiled here): matmul outputs past 2**31 elements ran
+  (beit_large_patch16_384's 577 x 4096 MLP activations at 1024 on the 5090, swinv2_cr_tiny_384's 3,981,312 attention
+  scores at 1536 on the Pro 6000). Inductor runs convolutions channels-last (`layout_opt`); eager channels-last runs
+  under torch 2.4 went past 2**31 (efficientnet_b5 448 px at 512, results/benchmark-infer-amp-nhwc-pt240-cu124-
+  rtx4090.csv). The tables do not record the error, and whether torch 2.14.1 keeps the cap is not known (no GPU has
+  run it here): the plan keeps it, the safe side.
+
 `KernelSizes` records the largest size of each kind of op while a step is traced; `launch_limit` applies the rules
 above to those sizes per sample.
 """
@@ -34,10 +49,16 @@ from torch._prims_common import suggest_memory_format
 
 from .live_bytes import TraceMode
 
-__all__ = ['INDEX_ELEMENTS', 'ATTENTION_ROWS', 'KernelSizes', 'launch_limit']
+__all__ = ['INDEX_ELEMENTS', 'ATTENTION_ROWS', 'COMPILED_TENSOR', 'CONVOLUTION', 'COMPILED_ELEMENTS', 'KernelSizes',
+           'launch_limit']
 
 INDEX_ELEMENTS = 2 ** 31 - 1  # canUse32BitIndexMath's max_elem: a tensor of this many elements or more does not fit
 ATTENTION_ROWS = 65535  # CUDA's maxGridSize[1]
+COMPILED_TENSOR = 'compiled tensor'  # the signature compiled_step notes the compiled graphs' largest tensor under
+CONVOLUTION = 'convolution'  # every convolution's larger tensor, input or output (a limit in a compiled trace only)
+# evidence from timm's dynamo tables (see the module doc): a compiled convolution whose tensor reaches this many
+# elements does not run
+COMPILED_ELEMENTS = 2 ** 31
 _CUDNN_DEPTHWISE_CHANNELS = 32  # use_cudnn_depthwise: "min 32 channels supported"
 # (op, where its stride, dilation and groups arguments sit): under inference_mode conv2d reaches the modes whole
 _CONVOLUTIONS = {torch.ops.aten.convolution.default: (3, 5, 8), torch.ops.aten.conv2d.default: (3, 5, 6)}
@@ -120,7 +141,7 @@ class KernelSizes(TraceMode):
         self.sizes: Dict[str, int] = {}
 
     def note(self, signature: str, size: int) -> None:
-        """Record a size of a kind of op (the compiled graphs' largest tensor, `timm_ext.memory_model.compiled_step`)."""
+        """Record a size of a kind of op (`compiled_step` notes its graphs' largest tensor, `COMPILED_TENSOR`)."""
         self.sizes[signature] = max(self.sizes.get(signature, 0), size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -129,6 +150,8 @@ class KernelSizes(TraceMode):
         found = _signature(func, args, kwargs, out)
         if found is not None:
             self.note(*found)
+        if func in _CONVOLUTIONS:
+            self.note(CONVOLUTION, max(args[0].numel(), out.numel()))
         return out
 
 
@@ -136,16 +159,23 @@ def _limit(signature: str) -> Tuple[int, str]:
     """The size a kind of op must stay at or under, and why."""
     if signature == 'attention flash':
         return ATTENTION_ROWS, "flash attention's batch x windows reaches 65536 (a CUDA grid dimension)"
+    if signature == CONVOLUTION:
+        return COMPILED_ELEMENTS - 1, ('a convolution of the compiled graphs reaches 2**31 elements (the cap of '
+                                       "timm's dynamo tables under torch 2.9.1)")
     what = 'an output of a depthwise convolution on PyTorch\'s kernel' if signature == 'depthwise native' \
         else f'{signature.removeprefix("pad ")} padding'
     return INDEX_ELEMENTS - 1, f'{what} reaches 2**31 - 1 elements (a 32-bit kernel)'
 
 
 def launch_limit(per_sample: Dict[str, float]) -> Tuple[Optional[int], str]:
-    """The largest batch every kernel can launch, and why (None, '' when nothing binds), from sizes per sample."""
+    """The largest batch every kernel can launch, and why (None, '' when nothing binds), from sizes per sample.
+
+    The compiled graphs' largest tensor binds nothing: it marks the trace as compiled, where convolutions are capped.
+    """
+    compiled = COMPILED_TENSOR in per_sample
     bounds = []
     for signature, size in per_sample.items():
-        if size > 0:
+        if size > 0 and signature != COMPILED_TENSOR and (signature != CONVOLUTION or compiled):
             most, why = _limit(signature)
             bounds.append((int(most // size), why))
     return min(bounds) if bounds else (None, '')
