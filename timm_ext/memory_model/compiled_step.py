@@ -25,12 +25,11 @@ from torch import fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .inductor_fusion import channels_last_inputs, plan_buffers
-from .kernel_limits import KernelSizes
+from .kernel_limits import COMPILED_TENSOR, KernelSizes
 from .live_bytes import LiveBytes
 
-__all__ = ['compiled_for_trace', 'unmodelled', 'is_compile_error', 'BufferRun', 'COMPILED_TENSOR']
+__all__ = ['compiled_for_trace', 'unmodelled', 'is_compile_error', 'BufferRun']
 
-COMPILED_TENSOR = 'compiled tensor'  # KernelSizes' signature of the compiled graphs' largest tensor
 _GRAPH_MODES = ('reduce-overhead', 'max-autotune')
 # backends that compile for a device or an outside compiler, which fake tensors cannot run: planned as eager
 _DEVICE_BACKENDS = ('cudagraphs', 'tvm', 'openxla', 'openxla_eval', 'ts', 'aot_ts', 'onnxrt')
