@@ -58,11 +58,13 @@ class BufferRun:
         graph_module: The forward, backward or inference graph.
         device_type: The device whose lowering thresholds decide the fusion ('cuda' or 'cpu').
     """
-    def __init__(self, graph_module: fx.GraphModule, device_type: str, inference: bool = False):
+    def __init__(self, graph_module: fx.GraphModule, device_type: str, inference: bool = False,
+                 backward: bool = False):
         self._boxed_call = True  # an instance attribute: the wrappers AOTAutograd puts around it copy `__dict__`
         self.graph = graph_module.graph
         self.plans = plan_buffers(self.graph, device_type)
-        self.channels_last = channels_last_inputs(graph_module, device_type, inference)
+        # the backward receives the forward's copies as they were saved
+        self.channels_last = {} if backward else channels_last_inputs(graph_module, device_type, inference)
         self.inputs = [n for n in self.graph.nodes if n.op == 'placeholder']
         self.last_reader: Dict[fx.Node, List[fx.Node]] = {}
         seen = set()
@@ -84,9 +86,11 @@ class BufferRun:
                     kernels.note(COMPILED_TENSOR, largest)
                 return fx.node.map_arg(node.args[0], env.__getitem__)
             if node.op == 'call_function':
-                for a in self.channels_last.get(node, ()):  # layout optimization: the input in channels-last
+                for a in self.channels_last.get(node, ()):  # layout optimization: the input copied to channels-last
                     if not env[a].is_contiguous(memory_format=torch.channels_last):
-                        env[a] = env[a].contiguous(memory_format=torch.channels_last)
+                        # a buffer of the copy's size read in its place (and saved where the input is), its layout
+                        # kept: the graph's views were traced on the contiguous one
+                        env[a] = torch.empty_like(env[a])
                 plan = self.plans[node]
                 writes = plan.realized and plan.inplace_of is None
                 with _not_filing(trackers) if not writes else contextlib.nullcontext():
@@ -134,9 +138,12 @@ def _backend(device_type: str):
     def compiler(graph_module: fx.GraphModule, example_inputs) -> BufferRun:
         return BufferRun(graph_module, device_type)
 
+    def backward_compiler(graph_module: fx.GraphModule, example_inputs) -> BufferRun:
+        return BufferRun(graph_module, device_type, backward=True)
+
     def inference_compiler(graph_module: fx.GraphModule, example_inputs) -> BufferRun:
         return BufferRun(graph_module, device_type, inference=True)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference_compiler,
+    return aot_autograd(fw_compiler=compiler, bw_compiler=backward_compiler, inference_compiler=inference_compiler,
                         partition_fn=partition_fn, decompositions=select_decomp_table())
 
 

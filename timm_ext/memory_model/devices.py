@@ -33,11 +33,15 @@ import torch
 from ..memory import BudgetError, MemoryBudget
 from .cards import Card
 
-__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'CPU_RUNTIME_BYTES', 'CPU_ESTIMATE_MARGIN',
+__all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'CPU_RUNTIME_BYTES', 'CPU_COMPILE_BYTES', 'CPU_ESTIMATE_MARGIN',
            'MODELLED_DEVICE_TYPES']
 
 MiB = 1 << 20
 CPU_RUNTIME_BYTES = 32 * MiB  # CPU with the steady heap: vit_tiny's 16 MiB beyond its tensors, doubled
+# what a process keeps once inductor has compiled a training step on the CPU (its generated modules, the loaded kernels,
+# TorchDynamo's and AOTAutograd's caches): 160.3-166.0 MiB above the process before the compile on resnet18,
+# vit_tiny and convnext_atto at 96 px (`bench/bench_compile_cpu.py --step-check`), the largest taken
+CPU_COMPILE_BYTES = 166 * MiB
 # how far below a real CPU trial's measured peak an estimate may fall (the fit's spread, with a margin)
 CPU_ESTIMATE_MARGIN = 0.15
 
@@ -163,8 +167,10 @@ def onednn_runs(device_type: str) -> bool:
     return device_type == 'cpu' and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
-def device_model(device_type: str, onednn: bool = False, card: Optional[Card] = None) -> DeviceModel:
-    """The model for 'cpu' (oneDNN on or off) or 'cuda' (on `card` when one is named)."""
+def device_model(device_type: str, onednn: bool = False, card: Optional[Card] = None,
+                 compiled: bool = False) -> DeviceModel:
+    """The model for 'cpu' (oneDNN on or off; `compiled`: inductor compiles in the process) or 'cuda' (on `card` when
+    one is named; what the compile keeps is host memory there)."""
     if device_type == 'cuda':
         planned = (card.assumptions() if card else 'no card named: the budget is what the caching allocator may use '
                    '(no CUDA context taken off), compute capability unknown (the larger cuBLAS workspace)')
@@ -176,9 +182,10 @@ def device_model(device_type: str, onednn: bool = False, card: Optional[Card] = 
     if device_type not in MODELLED_DEVICE_TYPES:
         raise ValueError(f'no memory model for device type {device_type!r}; --estimate covers '
                          f'{" and ".join(MODELLED_DEVICE_TYPES)}')
-    runtime = {'runtime': CPU_RUNTIME_BYTES}
-    common = (f'runtime {CPU_RUNTIME_BYTES // MiB} MiB (measured with the steady heap); weights built before the '
-              f'budget counts')
+    runtime = {'runtime': CPU_RUNTIME_BYTES, **({'compile': CPU_COMPILE_BYTES} if compiled else {})}
+    common = (f'runtime {CPU_RUNTIME_BYTES // MiB} MiB (measured with the steady heap)'
+              + (f', inductor\'s compile {CPU_COMPILE_BYTES // MiB} MiB (what it keeps in the process, measured)'
+                 if compiled else '') + '; weights built before the budget counts')
     if onednn:
         return DeviceModel('cpu (oneDNN on)', fixed=runtime, uncounted=('weights',),
                            assumptions=f'CPU with oneDNN: its scratchpads not modelled, {common}')

@@ -160,7 +160,8 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
     if device_type == 'cpu':
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
-        return _trace(args, device_model(device_type, onednn), batches, step_kind).to_json()
+        return _trace(args, device_model(device_type, onednn, compiled=args.torchcompile == 'inductor'), batches,
+                      step_kind).to_json()
     except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
@@ -185,7 +186,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
     card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
-    device = device_model(device_type, onednn, card)
+    device = device_model(device_type, onednn, card, compiled=args.torchcompile == 'inductor')
     estimate = MemoryEstimate.from_json(_traced(args, device_type, onednn, tuple(batches), step_kind), device)
     if estimate.replay is not None and not estimate.replay.aligned:  # each batch the plan asks is traced on its own
         estimate.replay.retrace = functools.partial(_step_log_at, args, device_type, onednn, step_kind)
