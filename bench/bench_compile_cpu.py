@@ -39,18 +39,19 @@ from timm_ext.synthetic_data import make_image_folder  # noqa: E402
 
 MODELS = {
     # name: (train.py flags, budget in MiB)
-    'resnet18': (['--model', 'resnet18', '--img-size', '96'], 384),
+    'resnet18': (['--model', 'resnet18', '--img-size', '96'], 512),
     'vit_tiny_patch16_224': (['--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=96', '--img-size', '96'],
-                             256),
-    'convnext_atto': (['--model', 'convnext_atto', '--img-size', '96'], 384),
+                             512),
+    'convnext_atto': (['--model', 'convnext_atto', '--img-size', '96'], 512),
 }
 IMG = 32  # the generated images' side: train.py's transforms resize them to the model's input
 COMMON = ['--device', 'cpu', '--num-classes', '3', '-j', '0', '--epochs', '1', '--warmup-epochs', '0', '--sched',
           'cosine', '--steady-cpu-heap']
 MODES = {'eager': [], 'compiled': ['--torchcompile']}
 # the text of an allocation that the cap refused, in the forms it takes (ATen, Python, C++, a child's errno)
+# (a thread's stack is private writable memory, which RLIMIT_DATA counts: a new thread fails under the cap too)
 OUT_OF_MEMORY = re.compile(r"can't allocate memory|MemoryError|bad_alloc|Cannot allocate memory|out of memory|"
-                           r'Errno 12|memory exhausted', re.IGNORECASE)
+                           r"Errno 12|memory exhausted|can't start new thread", re.IGNORECASE)
 PROFILE_BATCH = 16  # the uncapped trial that shows what a process holds, and where the search starts
 MAX_BATCH = 256  # the generated data holds `--updates` batches up to this size
 SEARCH_STEP = 1.15  # the search's growth factor before it brackets the limit
@@ -89,8 +90,8 @@ def trial(data: Path, flags: List[str], batch: int, budget_mib: Optional[int], u
     record = json.loads(result.read_text()) if result.exists() else {}
     record.update(batch=batch, holds=done.returncode == 0 and record.get('updates_done') == updates)
     if not record['holds']:
-        tail = (done.stderr.strip().splitlines() or [''])
-        record['error'] = record.get('error') or tail[-1][:300]
+        record['last_line'] = (done.stderr.strip().splitlines() or [''])[-1][:300]  # what train.py said
+        record['error'] = record.get('error') or record['last_line']
         record['out_of_memory'] = bool(OUT_OF_MEMORY.search(record['error'] + done.stderr[-3000:]))
     return record
 
@@ -217,10 +218,11 @@ def train_worker(updates: int, train_argv: List[str]) -> None:
         state['phase'] = f'compile {state["compiles"]} ({args.callback_trigger.name.lower()})'
 
     def on_end(args) -> None:
-        if sys.exc_info()[0] is not None:  # the compile is ending on an exception: it failed there
+        failed = sys.exc_info()[0] is not None  # the compile is ending on an exception: it failed there
+        if failed:
             state['failed_in'] = state['phase']
         if isinstance(state.get('windows'), _Windows):
-            state['windows'].close(str(state['phase']))
+            state['windows'].close(f'{state["phase"]}{" (failed)" if failed else ""}')
         state['compiles'] += 1
         state['phase'] = f'update {state["updates_done"]}'
 
@@ -259,8 +261,8 @@ def train_worker(updates: int, train_argv: List[str]) -> None:
 def _write_record(state: Dict[str, object]) -> None:
     windows = state.pop('windows', None)
     rows = windows.rows if isinstance(windows, _Windows) else []
-    if isinstance(windows, _Windows) and state.get('error'):  # the window the failure ended
-        windows.close(f'{state["failed_in"]} (failed)')
+    if isinstance(windows, _Windows) and state.get('error') and not str(state['failed_in']).startswith('compile'):
+        windows.close(f'{state["failed_in"]} (failed)')  # the window the failure ended (a compile's closed at it)
     record = {**state, 'windows': rows, 'peak_mib': max((r['peak_mib'] for r in rows), default=None)}
     Path(os.environ[RESULT_ENV]).write_text(json.dumps(record, indent=1))
 
