@@ -17,7 +17,7 @@ For each model (a convnet, a ViT, a ConvNeXt, at small inputs so a compile stays
 
     python bench/bench_compile_cpu.py                          # three families, eager and compiled (~1 h on 2 cores)
     python bench/bench_compile_cpu.py --models resnet18 --modes compiled
-    python bench/bench_compile_cpu.py --dynamic-check          # dynamic batch dim vs static: peak live bytes
+    python bench/bench_compile_cpu.py --step-check             # a step eager, compiled, compiled with a dynamic batch
 Results are printed and saved to bench/results/bench_compile_cpu.json. Memory figures only: nothing is timed.
 """
 import argparse
@@ -63,18 +63,36 @@ def _env(**extra: str) -> dict:
     return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **extra}
 
 
-def estimated(data: Path, flags: List[str], budget_mib: int, work: Path) -> Optional[int]:
-    """tune_batch.py --estimate's largest batch within the budget, no headroom (None: nothing fits)."""
+def estimated(data: Path, flags: List[str], budget_mib: int, work: Path) -> dict:
+    """tune_batch.py --estimate's largest batch within the budget, no headroom ('fits': None when nothing fits), and
+    its predicted peaks ('peaks_mib': batch -> MiB)."""
     done = subprocess.run(['nice', '-n', '10', sys.executable, str(REPO / 'tune_batch.py'), '--data-dir', str(data),
                            *COMMON, *flags, '--estimate', '--mem-budget', f'{budget_mib}MiB', '--mem-headroom', '0',
                            '--tuned-config', str(work / 'estimate.yaml')],
                           capture_output=True, text=True, env=_env(), cwd=work)
-    found = re.search(rf'^\s*{budget_mib}MiB\s+(\d+)\s', done.stdout, re.MULTILINE)
-    if found is None:
-        if 'nothing fits' in done.stdout + done.stderr:
-            return None
+    fits = fits_up_to(done.stdout, budget_mib)
+    if fits is None and 'nothing fits' not in done.stdout + done.stderr:
         raise SystemExit(f'tune_batch.py --estimate failed: {(done.stderr or done.stdout).strip()[-600:]}')
-    return int(found.group(1))
+    return dict(fits=fits, peaks_mib=predicted_peaks(done.stdout))
+
+
+def fits_up_to(report: str, budget_mib: int) -> Optional[int]:
+    """The "fits up to" of the budget's row in an --estimate report's "What fits where" table."""
+    found = re.search(rf'^\s*{budget_mib}MiB\s+(\d+)\s', report, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
+def predicted_peaks(report: str) -> Dict[int, float]:
+    """batch -> predicted peak (MiB) from an --estimate report's "Predicted peak per micro-batch" table (its last
+    columns: the peak, then its share of the budget)."""
+    units = {'B': 1 / MiB, 'KiB': 1 / 1024, 'MiB': 1.0, 'GiB': 1024.0}
+    table = report.split('Predicted peak per micro-batch:', 1)[-1].split('\n\n', 1)[0]
+    peaks = {}
+    for line in table.splitlines():
+        found = re.match(r'^\s*(\d+)\s.*\s([\d.]+) (B|KiB|MiB|GiB)\s+\d+%$', line)
+        if found:
+            peaks[int(found.group(1))] = round(float(found.group(2)) * units[found.group(3)], 2)
+    return peaks
 
 
 def trial(data: Path, flags: List[str], batch: int, budget_mib: Optional[int], updates: int, work: Path) -> dict:
@@ -150,7 +168,8 @@ def run_model(name: str, modes: List[str], updates: int, work: Path) -> List[dic
     rows = []
     for mode in modes:
         mode_flags = [*flags, *MODES[mode]]
-        predicted = estimated(data, mode_flags, budget_mib, work)
+        estimate = estimated(data, mode_flags, budget_mib, work)
+        predicted = estimate['fits']
         profile = trial(data, mode_flags, PROFILE_BATCH, None, updates, work)
         if not profile['holds']:
             raise SystemExit(f'{name} {mode}: the uncapped trial failed: {profile["error"]}')
@@ -161,11 +180,22 @@ def run_model(name: str, modes: List[str], updates: int, work: Path) -> List[dic
                                            budget_mib, updates, work)
         failures = sorted({f'{t["failed_in"]}: {t["error"][:120]}' for t in trials if not t['holds']})
         error = None if predicted is None or not limit else round(100 * (predicted - limit) / limit, 1)
+        real_line = line_through({t['batch']: t['peak_mib'] for t in trials if t['holds']})
         rows.append(dict(model=name, mode=mode, flags=mode_flags, budget_mib=budget_mib, real_limit=limit,
-                         estimated=predicted, error_pct=error, held=held, failures=failures, trials=trials,
-                         profile=profile))
+                         estimated=predicted, error_pct=error, real_line=real_line,
+                         estimate_line=line_through(estimate['peaks_mib']), held=held, failures=failures,
+                         trials=trials, profile=profile))
         print(f'{name} {mode}: train.py holds {limit}, the estimate says {predicted} ({error}%)', flush=True)
     return rows
+
+
+def line_through(points: Dict[int, float]) -> Optional[Dict[str, float]]:
+    """The least-squares line through (batch, MiB) points: what stays whatever the batch, and MiB a sample."""
+    if len(points) < 2:
+        return None
+    mean_b, mean_v = sum(points) / len(points), sum(points.values()) / len(points)
+    slope = sum((b - mean_b) * (v - mean_v) for b, v in points.items()) / sum((b - mean_b) ** 2 for b in points)
+    return dict(fixed_mib=round(mean_v - slope * mean_b, 1), per_sample_mib=round(slope, 3))
 
 
 class _Windows:
@@ -181,8 +211,8 @@ class _Windows:
     def close(self, name: str) -> None:
         from timm_ext.memory import data_and_stack
         peak = self.meter.peak() or 0
-        self.rows.append(dict(window=name, peak_mib=round(peak / MiB, 1),
-                              after_mib=round((data_and_stack() - self.baseline) / MiB, 1)))
+        self.rows.append(dict(window=name, peak_mib=_mib(peak),
+                              after_mib=_mib(data_and_stack() - self.baseline)))
         self.meter.reset()
 
 
@@ -234,7 +264,7 @@ def train_worker(updates: int, train_argv: List[str]) -> None:
 
     def epoch(self, epoch_idx, loader, start_update=0):
         baseline = data_and_stack()
-        state.update(baseline_mib=round(baseline / MiB, 1), phase='update 0')
+        state.update(baseline_mib=_mib(baseline), phase='update 0')
         if 'BENCH_CAP_MIB' in os.environ:
             limit = baseline + int(float(os.environ['BENCH_CAP_MIB']) * MiB)
             resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
@@ -267,10 +297,15 @@ def _write_record(state: Dict[str, object]) -> None:
     Path(os.environ[RESULT_ENV]).write_text(json.dumps(record, indent=1))
 
 
-def dynamic_worker(name: str, batch: int, dynamic: bool) -> dict:
-    """One compiled training step of `name` (SGD with momentum, cross-entropy) after two warm-up steps, its batch
-    dimension static or marked dynamic: peak live bytes from torch.profiler's memory events, and the data segment's
-    sampled peak over a further step (one thread, the steady heap)."""
+STEP_MODES = ('eager', 'static', 'dynamic')  # the step worker's: no compile, a static batch, a dynamic batch dim
+
+
+def step_worker(name: str, batch: int, mode: str) -> dict:
+    """Training steps of `name` (SGD with momentum, cross-entropy; one thread, the steady heap, no cap) in `mode`
+    (`STEP_MODES`): peak live bytes of the third step from torch.profiler's memory events (the rise over the step's
+    start), the data segment's sampled peak over a fourth, what stays after them above the data segment before the
+    first step (the compiles' state beside the momentum) and what `torch._dynamo.reset()` gives back of it."""
+    import gc
     import timm
     import torch
     import torch.nn.functional as F
@@ -281,46 +316,57 @@ def dynamic_worker(name: str, batch: int, dynamic: bool) -> dict:
     steady_cpu_heap()
     flags, _ = MODELS[name]
     img = int(flags[flags.index('--img-size') + 1])
-    kwargs = dict(img_size=img) if '--model-kwargs' in flags else {}
-    model = timm.create_model(name, num_classes=3, **kwargs).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    compiled = torch.compile(model)
+    model = timm.create_model(name, num_classes=3, **(dict(img_size=img) if '--model-kwargs' in flags else {}))
+    optimizer = torch.optim.SGD(model.train().parameters(), lr=0.01, momentum=0.9)
+    run = model if mode == 'eager' else torch.compile(model)
 
-    def step(size: int) -> None:
-        x, y = torch.randn(size, 3, img, img), torch.randint(0, 3, (size,))
-        if dynamic:
+    def step() -> None:
+        x, y = torch.randn(batch, 3, img, img), torch.randint(0, 3, (batch,))
+        if mode == 'dynamic':
             torch._dynamo.mark_dynamic(x, 0)
-        F.cross_entropy(compiled(x), y).backward()
+        F.cross_entropy(run(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step(batch)
-    step(batch)  # the optimizer state exists from here
+    start = data_and_stack()
+    step()
+    step()  # the optimizer state exists from here
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(batch)
-    events = sorted((e for e in prof.events() if e.name == '[memory]'), key=lambda e: e.time_range.start)
+        step()
+    # each allocation and free the CPU allocator reported, in time order (the op-level events sum their children's)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == '[memory]')
     live = peak = 0
-    for event in events:
-        live += event.cpu_memory_usage
+    for _, nbytes in events:
+        live += nbytes
         peak = max(peak, live)
+    del prof, events
+    gc.collect()
     meter = PeakMeter('cpu', data_and_stack())
     meter.reset()
-    step(batch)
-    return dict(model=name, batch=batch, dynamic=dynamic, profiler_peak_mib=round(peak / MiB, 1),
-                vmdata_peak_mib=round((meter.peak() or 0) / MiB, 1),
-                recompiles=torch._dynamo.utils.counters['stats']['unique_graphs'])
+    step()
+    record = dict(model=name, batch=batch, mode=mode, profiler_peak_mib=_mib(peak),
+                  vmdata_peak_mib=_mib(meter.peak() or 0), after_steps_mib=_mib(data_and_stack() - start),
+                  graphs=torch._dynamo.utils.counters['stats']['unique_graphs'])
+    torch._dynamo.reset()
+    gc.collect()
+    record['after_dynamo_reset_mib'] = _mib(data_and_stack() - start)
+    return record
 
 
-def dynamic_check(names: List[str], batch: int) -> List[dict]:
-    """`dynamic_worker` static and dynamic for each model, each in a fresh process."""
+def _mib(num_bytes: float) -> float:
+    return round(num_bytes / MiB, 1)
+
+
+def step_check(names: List[str], batch: int) -> List[dict]:
+    """`step_worker` in each of `STEP_MODES` for each model, each in a fresh process (a cold inductor cache)."""
     rows = []
     for name in names:
-        for dynamic in (False, True):
-            done = subprocess.run(['nice', '-n', '10', sys.executable, __file__, '--dynamic-worker', name, str(batch),
-                                   str(int(dynamic))], capture_output=True, text=True,
+        for mode in STEP_MODES:
+            done = subprocess.run(['nice', '-n', '10', sys.executable, __file__, '--step-worker', name, str(batch),
+                                   mode], capture_output=True, text=True,
                                   env=_env(TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp()))
             if done.returncode != 0:
-                raise SystemExit(f'{name} dynamic={dynamic} failed: {done.stderr.strip()[-600:]}')
+                raise SystemExit(f'{name} {mode} failed: {done.stderr.strip()[-600:]}')
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     return rows
@@ -347,21 +393,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ['--train-worker']:  # --train-worker UPDATES -- TRAIN.PY ARGS
         train_worker(int(argv[1]), argv[3:])
         return 0
-    if argv[:1] == ['--dynamic-worker']:  # --dynamic-worker MODEL BATCH 0|1
-        print(json.dumps(dynamic_worker(argv[1], int(argv[2]), argv[3] == '1')))
+    if argv[:1] == ['--step-worker']:  # --step-worker MODEL BATCH MODE
+        print(json.dumps(step_worker(argv[1], int(argv[2]), argv[3])))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--models', nargs='+', choices=list(MODELS), default=list(MODELS))
     parser.add_argument('--modes', nargs='+', choices=list(MODES), default=list(MODES))
     parser.add_argument('--updates', type=int, default=3, help='training updates a trial must complete')
-    parser.add_argument('--dynamic-check', action='store_true',
-                        help='only: a static and a dynamic-batch compile of each model, peak memory of a step')
-    parser.add_argument('--dynamic-batch', type=int, default=32)
+    parser.add_argument('--step-check', action='store_true',
+                        help='only: a step of each model eager, compiled and compiled with a dynamic batch dim')
+    parser.add_argument('--step-batch', type=int, default=32)
     parser.add_argument('--output', default=str(REPO / 'bench' / 'results' / 'bench_compile_cpu.json'))
     args = parser.parse_args(argv)
-    if args.dynamic_check:
-        rows = dynamic_check(args.models, args.dynamic_batch)
-        write_result(str(Path(args.output).with_name('bench_compile_cpu_dynamic.json')), dict(rows=rows))
+    if args.step_check:
+        rows = step_check(args.models, args.step_batch)
+        write_result(str(Path(args.output).with_name('bench_compile_cpu_steps.json')), dict(rows=rows))
         return 0
     rows = []
     for name in args.models:

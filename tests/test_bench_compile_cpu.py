@@ -48,6 +48,30 @@ def test_what_a_compiled_process_holds_before_its_first_step():
     assert bench_compile_cpu.held_before_step(eager)['after_first_compile_mib'] == 0.0
 
 
+# tune_batch.py --estimate's report, its two tables (resnet18 at 96 px, --torchcompile, 512 MiB, no headroom)
+REPORT = '''Predicted peak per micro-batch:
+  batch      weights    optimizer  activations  temporaries      runtime        peak  of budget
+     22    42.68 MiB    42.64 MiB    51.18 MiB    58.92 MiB    32.00 MiB  184.74 MiB        36%
+    112    42.68 MiB    42.64 MiB   306.57 MiB    85.99 MiB    32.00 MiB    1.02 GiB        91%
+
+What fits where:
+    budget  fits up to  micro-batch  accum  global        LR  predicted peak  eval batch
+    512MiB         112           64      2     128      0.05      359.20 MiB         460
+'''
+
+
+def test_the_estimates_answer_and_its_peaks_are_read_from_its_report():
+    assert bench_compile_cpu.fits_up_to(REPORT, 512) == 112
+    assert bench_compile_cpu.fits_up_to(REPORT, 256) is None
+    assert bench_compile_cpu.predicted_peaks(REPORT) == {22: 184.74, 112: 1044.48}
+
+
+def test_a_line_through_peaks_splits_what_stays_from_what_grows():
+    assert bench_compile_cpu.line_through({10: 110.0, 20: 120.0, 30: 130.0}) == dict(fixed_mib=100.0,
+                                                                                    per_sample_mib=1.0)
+    assert bench_compile_cpu.line_through({10: 110.0}) is None
+
+
 def test_an_epoch_is_cut_to_its_first_batches():
     cut = bench_compile_cpu._FirstBatches(list(range(10)), 3)
     assert len(cut) == 3 and list(cut) == [0, 1, 2]
