@@ -5,6 +5,7 @@ meter reset before, warm-up then timed steps, an OOM told apart from other error
 after a failure too, so every trial starts from the state the first one did.
 """
 import contextlib
+import dataclasses
 import math
 import time
 import traceback
@@ -14,6 +15,7 @@ import torch
 
 from ..memory import PeakMeter, free_heap_held, free_memory, free_memory_after_failure
 from ..oom import is_oom
+from .compiled_trials import compile_counts
 from .forked import run_forked
 from .table import ERROR, FIT, OOM, Trial, TrialFn
 
@@ -75,6 +77,7 @@ def measured_trial(
             return measure(batch_size)
 
     def measure(batch_size: int) -> Trial:
+        compiled_before = compile_counts()
         meter.reset()
         try:
             if benchmark_warmup:
@@ -102,6 +105,10 @@ def measured_trial(
             timed = math.isfinite(seconds) and seconds > 0
             trial = Trial(batch_size, FIT, peak_bytes=peak, ms_per_step=seconds * 1000 if timed else None,
                           samples_per_s=batch_size / seconds if timed else None)
+        compiled = compile_counts().since(compiled_before)
+        if compiled is not None:  # a compiled step: what the trial spent compiling, and how many graphs it reused
+            trial = dataclasses.replace(trial, compile_s=compiled.seconds, graphs_compiled=compiled.compiled,
+                                        graphs_loaded=compiled.loaded)
         if before is not None:
             before()
         (free_memory_after_failure if trial.status == ERROR else free_memory)(device)

@@ -3,8 +3,11 @@
 `probe_train_batch` puts the pieces together for a training trial (`timm_ext.probe.trial`): the budget resolved after
 a first step, the cap in force while trials run, each trial measured (`timm_ext.probe.measure`) and agreed across ranks
 (`timm_ext.probe.rank_agreement`), the search aimed at the headroom's limit (`timm_ext.probe.search`), re-timing for a
-throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`).
+throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`). A compiled CPU probe compiles
+its graphs once, uncapped, before the trials, which load them (`compile_trial_graphs`), and train.py's own graphs once
+the run is planned (`compile_run_graphs`; `timm_ext.probe.compiled_trials` says why).
 """
+import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -20,9 +23,14 @@ from .search import search_batch_size
 from .selection import Selection, headroom_accept, select_batch_size
 from .table import ERROR, Trial, TrialError, TrialFn
 from .trial import TrainTrialSetup
-from .trial_host import TrialHost, hosted_trials
+from .trial_host import TrialHost, hosted_trials, uncapped_trial
 
-__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup']
+__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'compile_trial_graphs',
+           'compile_run_graphs', 'COMPILE_BATCH']
+
+# The batch the compiled graphs are first compiled at: the smallest that batch norm trains at, and above the sizes
+# dynamo specializes whatever is marked dynamic (0 and 1), so the graph serves every larger trial
+COMPILE_BATCH = 2
 
 
 @dataclass
@@ -35,12 +43,15 @@ class ProbeOutcome:
         describe: What was probed (model, input, precision, optimizer).
         device_name: The device's name.
         cached: Read from the probe cache (no trials ran).
+        compile_seconds: Wall seconds the probe spent compiling: the uncapped compile before the trials and what
+            each trial spent in torch.compile (loading graphs, mostly); None for a probe that compiled nothing.
     """
     selection: Selection
     budget: int
     describe: str
     device_name: str
     cached: bool = False
+    compile_seconds: Optional[float] = None
 
     @property
     def trials(self) -> List[Trial]:
@@ -92,8 +103,11 @@ def probe_train_batch(
     device = setup.device
     with hosted_trials(setup) as host:  # CPU trials of a process that cannot fork them: in a fresh interpreter
         isolate = host is not None or isolate_trials(device)  # CPU trials in forked processes, CUDA trials here
+        compiled_s = None
         if not isolate:
             check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
+        elif setup.batch_dynamic is not None:  # compiled once here, uncapped; the capped trials load the graphs
+            compiled_s = compile_trial_graphs(setup, host)
         # resolved after that first update: what it took outside the allocator is no longer free for the budget
         budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
         context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
@@ -115,7 +129,7 @@ def probe_train_batch(
                                        peak_limit=accept.limit, prior=prior)
             if select == 'throughput':
                 trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
-        if isolate and not any(t.accepted for t in trials):
+        if isolate and compiled_s is None and not any(t.accepted for t in trials):
             # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
             check_step_runs(setup, start, host)
         selection = select_batch_size(trials, select, throughput_tol, context)
@@ -124,18 +138,62 @@ def probe_train_batch(
         if chosen != selection.batch_size:
             pick = next(t for t in trials if t.batch_size == chosen)
             selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
-    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+    in_trials = [t.compile_s for t in trials if t.compile_s is not None]
+    if in_trials or compiled_s is not None:
+        compiled_s = (compiled_s or 0.0) + sum(in_trials)
+    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), compile_seconds=compiled_s)
 
 
-def check_step_runs(setup: TrainTrialSetup, start: int = 2, host: Optional[TrialHost] = None) -> None:
+def compile_trial_graphs(setup: TrainTrialSetup, host: Optional[TrialHost] = None) -> float:
+    """Compile every graph a compiled CPU trial runs, once, uncapped, before the capped trials that load them.
+
+    The trial's whole warm-up at `COMPILE_BATCH` in a fork of its own, the batch dimension dynamic, which is also
+    `check_step_runs`'s check that the step runs. Its graphs stay in inductor's disk cache, where the trials' forks
+    find them (`timm_ext.probe.compiled_trials`).
+
+    Returns:
+        Its wall seconds.
+
+    Raises:
+        TrialError: The step (or its compile) fails without a cap; one line naming the run.
+    """
+    started = time.perf_counter()
+    check_step_runs(setup, COMPILE_BATCH, host, warm_up=True)
+    return time.perf_counter() - started
+
+
+def compile_run_graphs(setup: TrainTrialSetup, train_batch: int, eval_batch: Optional[int]) -> float:
+    """Compile the graphs train.py will run, static, into inductor's disk cache, uncapped, in a fork of their own.
+
+    The trials loaded graphs whose batch dimension is dynamic; train.py compiles its training graph for its one batch
+    (dynamo marks a dimension dynamic only once it has seen it change, as the eval pass's smaller last batch does).
+    Under a cap, a train.py that compiled its graphs itself would hold the compile's heap besides what a trial
+    measured; compiled here, it loads them as the trials did. The order is train.py's first epoch: an update at
+    `train_batch`, the eval pass at `eval_batch` (None: no eval pass) in shapes, an update.
+
+    Returns:
+        Its wall seconds.
+    """
+    started = time.perf_counter()
+    run = setup.eval_trials(train_batch) if eval_batch is not None and setup.eval_step is not None else setup
+    with hosted_trials(run) as host:
+        check = host.trial(None, warm_up=True, batch_dynamic=False) if host is not None else uncapped_trial(
+            run, isolate_trials(run.device), warm_up=True, batch_dynamic=False)
+        check(eval_batch if run is not setup else train_batch)
+    return time.perf_counter() - started
+
+
+def check_step_runs(setup: TrainTrialSetup, start: int = 2, host: Optional[TrialHost] = None,
+                    warm_up: bool = False) -> None:
     """One uncapped trial at a tiny batch (all ranks together): a step that fails without any cap is the run's own
-    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles.
+    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles. With `warm_up` it
+    runs the trial's whole warm-up (`uncapped_trial`).
 
     Raises:
         TrialError: The step fails; one line naming the run.
     """
-    uncapped = agree_across_ranks(host.trial(None) if host is not None else measured_trial(
-        setup.step, setup.device, before=setup.reset, isolate=isolate_trials(setup.device)))
+    uncapped = agree_across_ranks(host.trial(None, warm_up=warm_up) if host is not None else uncapped_trial(
+        setup, isolate_trials(setup.device), warm_up))
     check = uncapped(min(start, 2))
     if check.status == ERROR:
         raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '
