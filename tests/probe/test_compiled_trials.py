@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT
-from timm_ext.probe.compiled_trials import BatchDynamic, CompileCounts, compile_counts, graph_cache_on
+from timm_ext.probe.compiled_trials import BatchDynamic, CompileCounts, compile_counts, compiled_first, graph_cache_on
 from timm_ext.probe.table import Trial, format_trial
 from timm_ext.probe.trial import build_train_trial
 from timm_ext.probe.trial_host import uncapped_trial
@@ -121,6 +121,24 @@ def test_the_run_graphs_check_turns_the_marks_off_where_it_runs():
     seen.clear()
     uncapped_trial(setup, isolate=False)(2)
     assert seen == [('step', True)]
+
+
+def test_each_new_size_is_compiled_uncapped_before_its_capped_trial():
+    calls, seconds = [], []
+
+    def capped(batch_size):
+        calls.append(('capped', batch_size))
+        return Trial(batch_size, 'fit', peak_bytes=batch_size)
+
+    def uncapped(batch_size):
+        calls.append(('uncapped', batch_size))
+        return Trial(batch_size, 'error', error='boom') if batch_size == 99 else Trial(batch_size, 'fit')
+
+    trial = compiled_first(capped, uncapped, seconds)
+    assert trial(8).peak_bytes == 8 and trial(16).fits and trial(8).fits
+    assert calls == [('uncapped', 8), ('capped', 8), ('uncapped', 16), ('capped', 16), ('capped', 8)]
+    assert len(seconds) == 2, 'a size run again (re-timing) loads what its first run compiled'
+    assert trial(99).error == 'boom' and calls[-1] == ('uncapped', 99), 'a step that fails uncapped is not capped'
 
 
 def test_a_trial_line_says_what_it_compiled_and_loaded():

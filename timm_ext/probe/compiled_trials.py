@@ -15,11 +15,13 @@ Two facts of torch 2.14.1 make one compile serve the whole probe:
 * A graph traced with the batch dimension symbolic (`torch._dynamo.maybe_mark_dynamic` on the input) has one cache key
   for every batch size; its guards, checked against each call's sizes, decide whether it serves.
 
-So `BatchDynamic` marks the batch dimension of the compiled modules' inputs, one uncapped trial compiles the trial's
-graphs before any capped one (`timm_ext.probe.train_probe`), and each trial then loads them: dynamo still traces the
-model's Python in every child (seconds), the compile (AOTAutograd, inductor, the C++ compiler) is skipped.
-Measured on this CPU (bench/bench_compile_dynamic.py, float32 training step, torch.profiler's memory events): a
-graph with the batch dimension dynamic holds the same peak as the static one at the same batch.
+So `BatchDynamic` marks the batch dimension of the compiled modules' inputs, and each size's capped trial is preceded by
+an uncapped run that compiles its graphs or loads them (`compiled_first`); the trial then loads them: dynamo still
+traces the model's Python in every process (seconds), the compile (AOTAutograd, inductor, the C++ compiler) is skipped.
+Inductor guards each graph on the range of batch sizes its code was generated for, so a probe compiles once for each
+range its sizes fall in (one or two for an aimed search), not once per trial. Measured on this CPU
+(bench/bench_compile_dynamic.py, float32 training step, torch.profiler's memory events): a graph with the batch
+dimension dynamic holds the same peak as the static one at the same batch.
 
 A trial measures what loading its graphs takes under the cap, not what compiling them takes (a compile's own heap,
 tens to hundreds of MB, stays in the process): so a train.py that compiles its graphs itself under the same cap holds
@@ -27,12 +29,15 @@ more than the trial did. The probe therefore also compiles train.py's own graphs
 (`compile_run_graphs`), and train.py finds them in the cache: the compile it pays ahead, not an extra one.
 """
 import sys
+import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ['BatchDynamic', 'CompileCounts', 'compile_counts', 'graph_cache_on']
+from .table import Trial, TrialFn
+
+__all__ = ['BatchDynamic', 'CompileCounts', 'compile_counts', 'compiled_first', 'graph_cache_on']
 
 
 def graph_cache_on() -> bool:
@@ -98,3 +103,35 @@ def compile_counts() -> CompileCounts:
     inductor = counters['inductor']
     return CompileCounts(sum(compilation_time_metrics.get(_FRAME_COMPILE_TIMER, ())),
                          inductor['fxgraph_cache_miss'] + inductor['fxgraph_cache_bypass'], inductor['fxgraph_cache_hit'])
+
+
+def compiled_first(trial: TrialFn, compile_run: TrialFn, seconds: List[float]) -> TrialFn:
+    """Each batch size's graphs compiled, or loaded, by an uncapped run before its capped trial, which then loads them.
+
+    Inductor guards a graph with the batch dimension dynamic on the range of sizes its code was generated for (here:
+    compiled at 2, test_resnet's graphs held for 2-15; at 180, for 16 and up and for 65-256), so no single compile
+    serves every size a search may try; and a trial that compiled under the cap would count the compile's own heap
+    (tens of MB, resident after) and could run out of memory compiling. So a size's first trial is preceded by
+    `compile_run` (the trial's warm-up with no cap, `timm_ext.probe.trial_host.uncapped_trial`): it loads the graphs
+    when an earlier size's guards admit this one, and compiles them otherwise. A size run again (re-timing) is not.
+
+    Args:
+        trial: The capped trial.
+        compile_run: The uncapped run of the trial's warm-up, in a process of its own.
+        seconds: Each compile run's wall seconds are appended here.
+
+    Returns:
+        The trial, or, when the uncapped run failed, its failure (an error stops the search: the step fails anyway).
+    """
+    ready = set()
+
+    def run(batch_size: int) -> Trial:
+        if batch_size not in ready:
+            started = time.perf_counter()
+            check = compile_run(batch_size)
+            seconds.append(time.perf_counter() - started)
+            if not check.fits:
+                return check
+            ready.add(batch_size)
+        return trial(batch_size)
+    return run

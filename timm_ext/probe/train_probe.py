@@ -4,8 +4,8 @@
 a first step, the cap in force while trials run, each trial measured (`timm_ext.probe.measure`) and agreed across ranks
 (`timm_ext.probe.rank_agreement`), the search aimed at the headroom's limit (`timm_ext.probe.search`), re-timing for a
 throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`). A compiled CPU probe compiles
-its graphs once, uncapped, before the trials, which load them (`compile_trial_graphs`), and train.py's own graphs once
-the run is planned (`compile_run_graphs`; `timm_ext.probe.compiled_trials` says why).
+or loads each size's graphs uncapped before its capped trial, which then loads them (`compiled_first`), and train.py's
+own graphs once the run is planned (`compile_run_graphs`; `timm_ext.probe.compiled_trials` says why).
 """
 import time
 from dataclasses import dataclass
@@ -24,13 +24,9 @@ from .selection import Selection, headroom_accept, select_batch_size
 from .table import ERROR, Trial, TrialError, TrialFn
 from .trial import TrainTrialSetup
 from .trial_host import TrialHost, hosted_trials, uncapped_trial
+from .compiled_trials import compiled_first
 
-__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'compile_trial_graphs',
-           'compile_run_graphs', 'COMPILE_BATCH']
-
-# The batch the compiled graphs are first compiled at: the smallest that batch norm trains at, and above the sizes
-# dynamo specializes whatever is marked dynamic (0 and 1), so the graph serves every larger trial
-COMPILE_BATCH = 2
+__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'compile_run_graphs']
 
 
 @dataclass
@@ -43,8 +39,8 @@ class ProbeOutcome:
         describe: What was probed (model, input, precision, optimizer).
         device_name: The device's name.
         cached: Read from the probe cache (no trials ran).
-        compile_seconds: Wall seconds the probe spent compiling: the uncapped compile before the trials and what
-            each trial spent in torch.compile (loading graphs, mostly); None for a probe that compiled nothing.
+        compile_seconds: Wall seconds the probe spent compiling: the uncapped compile runs before the trials and
+            what each trial spent in torch.compile (loading graphs, mostly); None for a probe that compiled nothing.
     """
     selection: Selection
     budget: int
@@ -103,11 +99,9 @@ def probe_train_batch(
     device = setup.device
     with hosted_trials(setup) as host:  # CPU trials of a process that cannot fork them: in a fresh interpreter
         isolate = host is not None or isolate_trials(device)  # CPU trials in forked processes, CUDA trials here
-        compiled_s = None
         if not isolate:
             check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
-        elif setup.batch_dynamic is not None:  # compiled once here, uncapped; the capped trials load the graphs
-            compiled_s = compile_trial_graphs(setup, host)
+        compile_runs: Optional[List[float]] = [] if isolate and setup.batch_dynamic is not None else None
         # resolved after that first update: what it took outside the allocator is no longer free for the budget
         budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
         context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
@@ -121,6 +115,9 @@ def probe_train_batch(
                     capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
                     benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled
                     and torch.backends.cudnn.benchmark)
+            if compile_runs is not None:  # each size's graphs compiled or loaded uncapped first: its trial loads them
+                trial = compiled_first(trial, host.trial(None, warm_up=True) if host is not None else uncapped_trial(
+                    setup, True, warm_up=True), compile_runs)
             trial = agree_across_ranks(trial)
             # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
             accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
@@ -129,7 +126,7 @@ def probe_train_batch(
                                        peak_limit=accept.limit, prior=prior)
             if select == 'throughput':
                 trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
-        if isolate and compiled_s is None and not any(t.accepted for t in trials):
+        if isolate and compile_runs is None and not any(t.accepted for t in trials):
             # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
             check_step_runs(setup, start, host)
         selection = select_batch_size(trials, select, throughput_tol, context)
@@ -139,27 +136,8 @@ def probe_train_batch(
             pick = next(t for t in trials if t.batch_size == chosen)
             selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
     in_trials = [t.compile_s for t in trials if t.compile_s is not None]
-    if in_trials or compiled_s is not None:
-        compiled_s = (compiled_s or 0.0) + sum(in_trials)
+    compiled_s = sum(compile_runs or []) + sum(in_trials) if in_trials or compile_runs else None
     return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), compile_seconds=compiled_s)
-
-
-def compile_trial_graphs(setup: TrainTrialSetup, host: Optional[TrialHost] = None) -> float:
-    """Compile every graph a compiled CPU trial runs, once, uncapped, before the capped trials that load them.
-
-    The trial's whole warm-up at `COMPILE_BATCH` in a fork of its own, the batch dimension dynamic, which is also
-    `check_step_runs`'s check that the step runs. Its graphs stay in inductor's disk cache, where the trials' forks
-    find them (`timm_ext.probe.compiled_trials`).
-
-    Returns:
-        Its wall seconds.
-
-    Raises:
-        TrialError: The step (or its compile) fails without a cap; one line naming the run.
-    """
-    started = time.perf_counter()
-    check_step_runs(setup, COMPILE_BATCH, host, warm_up=True)
-    return time.perf_counter() - started
 
 
 def compile_run_graphs(setup: TrainTrialSetup, train_batch: int, eval_batch: Optional[int]) -> float:

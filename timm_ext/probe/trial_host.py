@@ -26,7 +26,7 @@ import timm
 import torch
 
 from ..memory import PeakMeter, memory_cap
-from ..child_process import die_with_parent, fork_runs_autograd
+from ..child_process import die_with_parent, fork_runs_autograd, soft_limit_lifted
 from .measure import measured_trial
 from .table import Trial, TrialFn
 from .trial import TrainTrialSetup, build_train_trial
@@ -161,7 +161,7 @@ def uncapped_trial(setup: TrainTrialSetup, isolate: bool, warm_up: bool = False,
 
     Args:
         setup: The trial.
-        isolate: Run it in a fork (CPU).
+        isolate: Run it in a fork (CPU), which lifts any memory cap this process is under.
         warm_up: Run the trial's whole warm-up (an update and the eval pass in shapes) instead of one update: every
             graph a compiled trial runs is compiled, and stays in inductor's disk cache for the trials after it.
         batch_dynamic: A compiled CPU trial keeps the batch dimension dynamic (False: static graphs, train.py's own).
@@ -170,7 +170,9 @@ def uncapped_trial(setup: TrainTrialSetup, isolate: bool, warm_up: bool = False,
         def call(batch_size: int) -> None:
             if setup.batch_dynamic is not None:  # set where the trial runs (its fork, or this host)
                 setup.batch_dynamic.enabled = batch_dynamic
-            run(batch_size)
+            # a fork inherits the cap of a probe under way (`compiled_first` compiles between capped trials)
+            with soft_limit_lifted() if isolate else contextlib.nullcontext():
+                run(batch_size)
         return call
 
     if warm_up:
