@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT
-from timm_ext.probe.compiled_trials import BatchDynamic, CompileCounts, compile_counts, compiled_first, graph_cache_on
+from timm_ext.probe.compiled_trials import (BatchDynamic, CompileCounts, compile_counts, compiled_first,
+                                            counting_compiles, graph_cache_on)
 from timm_ext.probe.table import Trial, format_trial
 from timm_ext.probe.trial import build_train_trial
 from timm_ext.probe.trial_host import uncapped_trial
@@ -68,6 +69,15 @@ def test_compile_counts_say_nothing_when_nothing_was_compiled():
     assert CompileCounts(1.0, 2, 3).since(before) is None
     assert CompileCounts(2.5, 2, 5).since(before) == CompileCounts(1.5, 0, 2)
     assert compile_counts().since(compile_counts()) is None
+
+
+def test_a_trial_that_compiled_says_how_long_dynamo_took():
+    """torch/_dynamo/convert_frame.py `_compile`: every frame compile is timed as '_compile.compile_inner' in
+    `torch._dynamo.utils.compilation_time_metrics` (a graph loaded from the cache is too)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend='eager')
+    assert counting_compiles(lambda b: (compiled(torch.ones(b)), Trial(b, 'fit'))[1])(3).compile_s > 0
+    assert counting_compiles(lambda b: Trial(b, 'fit'))(3).compile_s is None
 
 
 def test_the_graph_cache_is_read_from_inductors_own_switches():
@@ -168,7 +178,7 @@ SIBLINGS = textwrap.dedent('''
     class Task(nn.Module):
         def __init__(self):
             super().__init__()
-            self.trainable_module = torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+            self.trainable_module = torch.compile(nn.Linear(8, 2))
 
     task = Task()
     BatchDynamic(task)

@@ -28,6 +28,7 @@ tens to hundreds of MB, stays in the process): so a train.py that compiles its g
 more than the trial did. The probe therefore also compiles train.py's own graphs, static, at the planned batch
 (`compile_run_graphs`), and train.py finds them in the cache: the compile it pays ahead, not an extra one.
 """
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch
 
 from .table import Trial, TrialFn
 
-__all__ = ['BatchDynamic', 'CompileCounts', 'compile_counts', 'compiled_first', 'graph_cache_on']
+__all__ = ['BatchDynamic', 'CompileCounts', 'compile_counts', 'compiled_first', 'counting_compiles', 'graph_cache_on']
 
 
 def graph_cache_on() -> bool:
@@ -103,6 +104,20 @@ def compile_counts() -> CompileCounts:
     inductor = counters['inductor']
     return CompileCounts(sum(compilation_time_metrics.get(_FRAME_COMPILE_TIMER, ())),
                          inductor['fxgraph_cache_miss'] + inductor['fxgraph_cache_bypass'], inductor['fxgraph_cache_hit'])
+
+
+def counting_compiles(trial: TrialFn) -> TrialFn:
+    """`trial` with what this process compiled while it ran (a compiled step: the seconds, the graphs compiled and
+    loaded); a trial that compiled nothing is left as it is."""
+    def run(batch_size: int) -> Trial:
+        before = compile_counts()
+        done = trial(batch_size)
+        compiled = compile_counts().since(before)
+        if compiled is None:
+            return done
+        return dataclasses.replace(done, compile_s=compiled.seconds, graphs_compiled=compiled.compiled,
+                                   graphs_loaded=compiled.loaded)
+    return run
 
 
 def compiled_first(trial: TrialFn, compile_run: TrialFn, seconds: List[float]) -> TrialFn:

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
+from ..memory import MemoryBudget, MemoryCap, PeakMeter, device_name, format_bytes, memory_cap
 from .grids import BatchGrid, default_grid
 from .forked import isolate_trials
 from .measure import measured_trial
@@ -107,18 +107,7 @@ def probe_train_batch(
         context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
         with memory_cap(device, budget_bytes) as cap:
             budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
-            if host is not None:
-                trial: TrialFn = host.trial(budget_bytes, timed_steps)
-            else:
-                trial = measured_trial(
-                    setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
-                    capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
-                    benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled
-                    and torch.backends.cudnn.benchmark)
-            if compile_runs is not None:  # each size's graphs compiled or loaded uncapped first: its trial loads them
-                trial = compiled_first(trial, host.trial(None, warm_up=True) if host is not None else uncapped_trial(
-                    setup, True, warm_up=True), compile_runs)
-            trial = agree_across_ranks(trial)
+            trial = agree_across_ranks(_capped_trial(setup, host, cap, timed_steps, isolate, compile_runs))
             # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
             accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
             grid = grid or default_grid(device.type)
@@ -140,6 +129,31 @@ def probe_train_batch(
     return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), compile_seconds=compiled_s)
 
 
+def _capped_trial(setup: TrainTrialSetup, host: Optional[TrialHost], cap: MemoryCap, timed_steps: int, isolate: bool,
+                  compile_runs: Optional[List[float]]) -> TrialFn:
+    """The probe's trial under `cap`: in the trial host, a fork or this process; a compiled CPU trial's graphs first
+    compiled or loaded by an uncapped run of its size (`compiled_first`, its seconds appended to `compile_runs`)."""
+    device = setup.device
+    if host is not None:
+        trial: TrialFn = host.trial(cap.budget, timed_steps)
+    else:
+        trial = measured_trial(
+            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
+            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
+            benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark)
+    if compile_runs is None:
+        return trial
+    return compiled_first(trial, _uncapped(setup, host, warm_up=True), compile_runs)
+
+
+def _uncapped(setup: TrainTrialSetup, host: Optional[TrialHost], warm_up: bool = False,
+              batch_dynamic: bool = True) -> TrialFn:
+    """`uncapped_trial` where the probe's trials run: in the trial host, else forked where the process can."""
+    if host is not None:
+        return host.trial(None, warm_up=warm_up, batch_dynamic=batch_dynamic)
+    return uncapped_trial(setup, isolate_trials(setup.device), warm_up, batch_dynamic)
+
+
 def compile_run_graphs(setup: TrainTrialSetup, train_batch: int, eval_batch: Optional[int]) -> float:
     """Compile the graphs train.py will run, static, into inductor's disk cache, uncapped, in a fork of their own.
 
@@ -155,9 +169,7 @@ def compile_run_graphs(setup: TrainTrialSetup, train_batch: int, eval_batch: Opt
     started = time.perf_counter()
     run = setup.eval_trials(train_batch) if eval_batch is not None and setup.eval_step is not None else setup
     with hosted_trials(run) as host:
-        check = host.trial(None, warm_up=True, batch_dynamic=False) if host is not None else uncapped_trial(
-            run, isolate_trials(run.device), warm_up=True, batch_dynamic=False)
-        check(eval_batch if run is not setup else train_batch)
+        _uncapped(run, host, warm_up=True, batch_dynamic=False)(eval_batch if run is not setup else train_batch)
     return time.perf_counter() - started
 
 
@@ -170,8 +182,7 @@ def check_step_runs(setup: TrainTrialSetup, start: int = 2, host: Optional[Trial
     Raises:
         TrialError: The step fails; one line naming the run.
     """
-    uncapped = agree_across_ranks(host.trial(None, warm_up=warm_up) if host is not None else uncapped_trial(
-        setup, isolate_trials(setup.device), warm_up))
+    uncapped = agree_across_ranks(_uncapped(setup, host, warm_up))
     check = uncapped(min(start, 2))
     if check.status == ERROR:
         raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '
