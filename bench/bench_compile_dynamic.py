@@ -5,9 +5,15 @@ For each model and batch, one fresh process per way of compiling (`torch.compile
 compiles it, the loss and SGD with momentum eager):
 
 - static: `dynamic=False`, a graph for this batch alone (what train.py runs at its fixed batch);
-- batch: `dynamic=None` with `torch._dynamo.mark_dynamic` on the input's batch dimension, compiled once at a smaller
-  batch (`--compile-batch`) and then run at the measured one, as a probe's later trials would reuse it;
-- dynamic: `dynamic=True` (every dimension symbolic), compiled the same way.
+- batch: `dynamic=None` with `torch._dynamo.mark_dynamic` on the input's batch dimension, first run at a smaller
+  batch (`--compile-batch`), then at the measured one (inductor guards a graph on the size range its code was
+  generated for, so the measured batch may get a dynamic graph of its own, as a probe's trial does);
+- dynamic: `dynamic=True` (every dimension symbolic), run the same way.
+
+Measured on this CPU (2 shared cores, torch 2.14.1, float32, SGD momentum; peak above the update's start, MiB):
+test_resnet 64 px b24 22.02 static, 22.02 batch, 24.30 dynamic=True; b48 41.18, 41.18, 47.18; resnet18 64 px b48
+137.06, 137.06, 137.44; vit_tiny 64 px b48 123.56, 123.57, 123.57; vit_tiny 96 px b48 267.93, 267.93, 267.93. The
+batch dimension alone dynamic holds what the static graph holds; every dimension dynamic holds up to 15% more.
 
 Each process runs two warm-up updates (the compile, the optimizer state), then profiles one update with
 `torch.profiler`'s memory events: the figure is the peak of live bytes over that update above what was live at its
