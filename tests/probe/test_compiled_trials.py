@@ -13,6 +13,7 @@ import torch.nn as nn
 from conftest import REPO_ROOT
 from timm_ext.probe.compiled_trials import (BatchDynamic, CompileCounts, compile_counts, compiled_first,
                                             counting_compiles, graph_cache_on)
+from timm_ext.oom import is_oom
 from timm_ext.probe.table import Trial, format_trial
 from timm_ext.probe.trial import build_train_trial
 from timm_ext.probe.trial_host import uncapped_trial
@@ -149,6 +150,16 @@ def test_each_new_size_is_compiled_uncapped_before_its_capped_trial():
     assert calls == [('uncapped', 8), ('capped', 8), ('uncapped', 16), ('capped', 16), ('capped', 8)]
     assert len(seconds) == 2, 'a size run again (re-timing) loads what its first run compiled'
     assert trial(99).error == 'boom' and calls[-1] == ('uncapped', 99), 'a step that fails uncapped is not capped'
+
+
+def test_a_thread_that_cannot_start_under_the_cap_is_an_oom():
+    """Measured here: test_vit's compiled trial at batch 300 under a 140 MiB cap failed in the autograd engine's
+    `run_backward` (torch/csrc/autograd/engine.cpp starts its worker threads at the first backward) with
+    std::system_error's EAGAIN, "Resource temporarily unavailable": pthread_create maps the thread's stack privately,
+    which RLIMIT_DATA counts (man 2 setrlimit, since Linux 4.7). Uncapped, EAGAIN is not memory."""
+    error = RuntimeError('Resource temporarily unavailable')
+    assert is_oom(error, cpu_capped=True)
+    assert not is_oom(error, cpu_capped=False)
 
 
 def test_a_trial_line_says_what_it_compiled_and_loaded():
