@@ -134,22 +134,34 @@ def test_the_run_graphs_check_turns_the_marks_off_where_it_runs():
     assert seen == [('step', True)]
 
 
-def test_each_new_size_is_compiled_uncapped_before_its_capped_trial():
+def test_a_trial_that_compiled_under_the_cap_runs_again_once_an_uncapped_run_compiled():
     calls, seconds = [], []
+    cache = set()
 
-    def capped(batch_size):
+    def capped(batch_size):  # compiles the graphs of its size's range when the cache lacks them
         calls.append(('capped', batch_size))
-        return Trial(batch_size, 'fit', peak_bytes=batch_size)
+        compiled = int(batch_size // 100 not in cache)
+        if batch_size == 250:
+            return Trial(batch_size, 'oom', error='killed')  # died before it could say what it compiled
+        cache.add(batch_size // 100)
+        return Trial(batch_size, 'fit', peak_bytes=batch_size, graphs_compiled=compiled, graphs_loaded=1 - compiled)
 
     def uncapped(batch_size):
         calls.append(('uncapped', batch_size))
-        return Trial(batch_size, 'error', error='boom') if batch_size == 99 else Trial(batch_size, 'fit')
+        cache.add(batch_size // 100)
+        return Trial(batch_size, 'error', error='boom') if batch_size == 399 else Trial(batch_size, 'fit')
 
     trial = compiled_first(capped, uncapped, seconds)
-    assert trial(8).peak_bytes == 8 and trial(16).fits and trial(8).fits
-    assert calls == [('uncapped', 8), ('capped', 8), ('uncapped', 16), ('capped', 16), ('capped', 8)]
-    assert len(seconds) == 2, 'a size run again (re-timing) loads what its first run compiled'
-    assert trial(99).error == 'boom' and calls[-1] == ('uncapped', 99), 'a step that fails uncapped is not capped'
+    assert trial(8).graphs_compiled == 0, 'the kept trial loaded what its first run compiled'
+    assert calls == [('capped', 8), ('uncapped', 8), ('capped', 8)]
+    calls.clear()
+    assert trial(16).graphs_compiled == 0 and trial(8).fits
+    assert calls == [('capped', 16), ('capped', 8)], 'in a range already compiled: one run; a size again: one run'
+    calls.clear()
+    trial(250)
+    assert calls == [('capped', 250), ('uncapped', 250), ('capped', 250)], 'a trial that died says nothing'
+    assert len(seconds) == 2
+    assert trial(399).error == 'boom', 'a step that fails uncapped is the run\'s own failure'
 
 
 def test_a_thread_that_cannot_start_under_the_cap_is_an_oom():

@@ -15,11 +15,11 @@ Two facts of torch 2.14.1 make one compile serve the whole probe:
 * A graph traced with the batch dimension symbolic (`torch._dynamo.maybe_mark_dynamic` on the input) has one cache key
   for every batch size; its guards, checked against each call's sizes, decide whether it serves.
 
-So `BatchDynamic` marks the batch dimension of the compiled modules' inputs, and each size's capped trial is preceded by
-an uncapped run that compiles its graphs or loads them (`compiled_first`); the trial then loads them: dynamo still
-traces the model's Python in every process (seconds), the compile (AOTAutograd, inductor, the C++ compiler) is skipped.
-Inductor guards each graph on the range of batch sizes its code was generated for, so a probe compiles once for each
-range its sizes fall in (one or two for an aimed search), not once per trial. Measured on this CPU
+So `BatchDynamic` marks the batch dimension of the compiled modules' inputs, and a trial that had to compile under the
+cap is run again after an uncapped run compiled what it lacked (`compiled_first`): every kept trial loads its graphs.
+Dynamo still traces the model's Python in every process (seconds); the compile (AOTAutograd, inductor, the C++
+compiler) is skipped. Inductor guards each graph on the range of batch sizes its code was generated for, so a probe
+compiles once for each range its sizes fall in (one to three), not once per trial. Measured on this CPU
 (bench/bench_compile_dynamic.py, float32 training step, torch.profiler's memory events): a graph with the batch
 dimension dynamic holds the same peak as the static one at the same batch.
 
@@ -121,32 +121,40 @@ def counting_compiles(trial: TrialFn) -> TrialFn:
 
 
 def compiled_first(trial: TrialFn, compile_run: TrialFn, seconds: List[float]) -> TrialFn:
-    """Each batch size's graphs compiled, or loaded, by an uncapped run before its capped trial, which then loads them.
+    """A capped trial that compiled is run again once its graphs are compiled: its trial loads them, as train.py does.
 
     Inductor guards a graph with the batch dimension dynamic on the range of sizes its code was generated for (here:
     compiled at 2, test_resnet's graphs held for 2-15; at 180, for 16 and up and for 65-256), so no single compile
-    serves every size a search may try; and a trial that compiled under the cap would count the compile's own heap
-    (tens of MB, resident after) and could run out of memory compiling. So a size's first trial is preceded by
-    `compile_run` (the trial's warm-up with no cap, `timm_ext.probe.trial_host.uncapped_trial`): it loads the graphs
-    when an earlier size's guards admit this one, and compiles them otherwise. A size run again (re-timing) is not.
+    serves every size a search may try, and a size outside every range compiles. A trial that compiled under the cap
+    counted the compile's own heap (tens of MB, resident after) and may have run out of memory compiling: so when a
+    trial compiled anything, or died before it could say, `compile_run` (the trial's warm-up with no cap,
+    `timm_ext.probe.trial_host.uncapped_trial`) compiles what is missing, and the trial runs again, loading it. A size
+    whose trial loaded every graph is not checked again (re-timing).
 
     Args:
         trial: The capped trial.
         compile_run: The uncapped run of the trial's warm-up, in a process of its own.
-        seconds: Each compile run's wall seconds are appended here.
+        seconds: The wall seconds spent compiling outside the kept trials are appended here: each discarded capped
+            run and each compile run.
 
     Returns:
-        The trial, or, when the uncapped run failed, its failure (an error stops the search: the step fails anyway).
+        The trial that loaded its graphs, or, when the uncapped run failed, its failure (an error stops the search:
+        the step fails anyway).
     """
-    ready = set()
+    loaded = set()
 
     def run(batch_size: int) -> Trial:
-        if batch_size not in ready:
-            started = time.perf_counter()
-            check = compile_run(batch_size)
-            seconds.append(time.perf_counter() - started)
-            if not check.fits:
-                return check
-            ready.add(batch_size)
+        if batch_size in loaded:
+            return trial(batch_size)
+        started = time.perf_counter()
+        first = trial(batch_size)
+        if first.graphs_compiled == 0:
+            loaded.add(batch_size)
+            return first
+        check = compile_run(batch_size)
+        seconds.append(time.perf_counter() - started)
+        if not check.fits:
+            return check
+        loaded.add(batch_size)
         return trial(batch_size)
     return run

@@ -3,9 +3,9 @@
 `probe_train_batch` puts the pieces together for a training trial (`timm_ext.probe.trial`): the budget resolved after
 a first step, the cap in force while trials run, each trial measured (`timm_ext.probe.measure`) and agreed across ranks
 (`timm_ext.probe.rank_agreement`), the search aimed at the headroom's limit (`timm_ext.probe.search`), re-timing for a
-throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`). A compiled CPU probe compiles
-or loads each size's graphs uncapped before its capped trial, which then loads them (`compiled_first`), and train.py's
-own graphs once the run is planned (`compile_run_graphs`; `timm_ext.probe.compiled_trials` says why).
+throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`). A compiled CPU trial that had
+to compile under the cap runs again once an uncapped run compiled its graphs (`compiled_first`), and train.py's own
+graphs are compiled once the run is planned (`compile_run_graphs`; `timm_ext.probe.compiled_trials` says why).
 """
 import time
 from dataclasses import dataclass
@@ -115,7 +115,7 @@ def probe_train_batch(
                                        peak_limit=accept.limit, prior=prior)
             if select == 'throughput':
                 trials += retime_trials(trial, trials, throughput_tol, retime_rounds, accept, on_trial, grid)
-        if isolate and compile_runs is None and not any(t.accepted for t in trials):
+        if isolate and not any(t.accepted for t in trials):
             # a forked check warms nothing here, so it is spent only when no capped trial fit (every rank alike)
             check_step_runs(setup, start, host)
         selection = select_batch_size(trials, select, throughput_tol, context)
@@ -131,8 +131,8 @@ def probe_train_batch(
 
 def _capped_trial(setup: TrainTrialSetup, host: Optional[TrialHost], cap: MemoryCap, timed_steps: int, isolate: bool,
                   compile_runs: Optional[List[float]]) -> TrialFn:
-    """The probe's trial under `cap`: in the trial host, a fork or this process; a compiled CPU trial's graphs first
-    compiled or loaded by an uncapped run of its size (`compiled_first`, its seconds appended to `compile_runs`)."""
+    """The probe's trial under `cap`: in the trial host, a fork or this process; a compiled CPU trial that compiled is
+    run again after an uncapped run of its size (`compiled_first`, the seconds appended to `compile_runs`)."""
     device = setup.device
     if host is not None:
         trial: TrialFn = host.trial(cap.budget, timed_steps)
