@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ['die_with_parent', 'call_forked', 'call_uncapped', 'fork_runs_autograd']
+__all__ = ['die_with_parent', 'call_forked', 'call_uncapped', 'fork_runs_autograd', 'soft_limit_lifted']
 
 _FORK_RUNS_AUTOGRAD = [True]  # once False, False for good: autograd's threads never stop
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -101,12 +101,14 @@ def call_uncapped(fn: Callable[..., object], *args: object) -> Optional[object]:
     died without an answer)."""
     if fork_runs_autograd():
         return call_forked(functools.partial(_single_threaded_uncapped, fn, *args), threads=2)[0]
-    with _soft_limit_lifted():
+    with soft_limit_lifted():
         return json.loads(json.dumps(fn(*args)))  # the answer a child gives: JSON's types, nothing shared
 
 
 @contextlib.contextmanager
-def _soft_limit_lifted():
+def soft_limit_lifted():
+    """RLIMIT_DATA's soft limit lifted to the hard one while the block runs (a fork of a capped process that must
+    run uncapped), restored after."""
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
     try:
@@ -117,5 +119,5 @@ def _soft_limit_lifted():
 
 def _single_threaded_uncapped(fn: Callable[..., object], *args: object) -> object:
     torch.set_num_threads(1)  # a fork of a threaded process must: GNU OpenMP's pool does not survive it
-    with _soft_limit_lifted():
+    with soft_limit_lifted():
         return fn(*args)

@@ -31,8 +31,10 @@ OOM_MESSAGES = (
 # oneDNN (CPU convolutions, matmuls) reports a failed allocation as a failure to create its primitive (its JIT code
 # and buffers) or to execute it (its scratchpad), with no word of memory. Under a CPU data cap that is the cap
 # speaking; without one it may be anything (a configuration oneDNN does not implement), so these count as an OOM only
-# while capped.
-CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive', 'could not execute a primitive')
+# while capped. A thread that cannot start says EAGAIN ("Resource temporarily unavailable", the autograd engine's
+# workers at a step's first backward): its stack is a private mapping, which RLIMIT_DATA counts since Linux 4.7.
+CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive', 'could not execute a primitive',
+                           'resource temporarily unavailable')
 
 # Lower-cased fragments of errors that must never be retried, even when they mention memory.
 FATAL_MESSAGES = (

@@ -14,6 +14,7 @@ import torch
 
 from ..memory import PeakMeter, free_heap_held, free_memory, free_memory_after_failure
 from ..oom import is_oom
+from .compiled_trials import counting_compiles
 from .forked import run_forked
 from .table import ERROR, FIT, OOM, Trial, TrialFn
 
@@ -45,8 +46,8 @@ def measured_trial(
     """Turn `step(batch_size)`, which runs one batch and raises on failure, into a trial for the search.
 
     The trial frees memory, resets the peak meter, runs `warmup_steps` then `timed_steps` steps (peak covers all),
-    and reports fit, OOM or error. The step time is the fastest timed step, as `timeit` advises (on a shared machine
-    the slower ones were disturbed). A failure's frames are cleared and memory freed: each trial starts alike.
+    and reports fit, OOM or error, and what it compiled. The step time is the fastest timed step, as `timeit` advises
+    (on a shared machine the slower ones were disturbed). A failure's frames are cleared and memory freed.
 
     Args:
         step: Runs one step at a batch size; OOMs and other errors propagate out of it.
@@ -58,9 +59,8 @@ def measured_trial(
         before: Called before each trial (reset gradients, optimizer state, scaler).
         isolate: CPU only: run each trial in a forked copy of this process (see `run_forked`).
         warmup: Runs a warm-up step instead of `step` (e.g. an update and then an eval pass); default `step`.
-        benchmark_warmup: Run the warm-up once more before the measured window, then reset (`before`) and free: with
-            `cudnn.benchmark` the first step at new shapes runs cuDNN's algorithm search, whose workspaces are sized
-            from the free memory, not the cap; the run pays that once, so it stays out of the peak.
+        benchmark_warmup: Run the warm-up once more first, then reset and free: with `cudnn.benchmark` a step at new
+            shapes first runs cuDNN's algorithm search, its workspaces sized to the free memory (the run pays it once).
     """
     device = torch.device(device)
     meter = meter or PeakMeter(device)
@@ -74,6 +74,7 @@ def measured_trial(
         with free_heap_held() if device.type == 'cpu' else contextlib.nullcontext():
             return measure(batch_size)
 
+    @counting_compiles
     def measure(batch_size: int) -> Trial:
         meter.reset()
         try:

@@ -32,6 +32,10 @@ class Trial:
         error: One line naming the failure ('' for a fit).
         accepted: Set by the search: the trial fits and is within the headroom.
         retime: 0 for the search's trial of the size, k for its k-th re-timing round (`retime_trials`).
+        compile_s: Seconds the trial spent in torch.compile (tracing, and compiling or loading graphs); None when it
+            compiled nothing.
+        graphs_compiled: Inductor graphs the trial compiled (None: it compiled nothing).
+        graphs_loaded: Inductor graphs the trial loaded from the compile cache (None: it compiled nothing).
     """
     batch_size: int
     status: str
@@ -41,6 +45,9 @@ class Trial:
     error: str = ''
     accepted: Optional[bool] = None
     retime: int = 0
+    compile_s: Optional[float] = None
+    graphs_compiled: Optional[int] = None
+    graphs_loaded: Optional[int] = None
 
     @property
     def fits(self) -> bool:
@@ -87,12 +94,19 @@ def format_trial(trial: Trial, budget: Optional[int] = None) -> str:
     """One log line for a trial, e.g. 'batch   64: fit   peak 1.20 GiB (60% of budget)  12.3 ms  5203.3 /s'."""
     head = f'batch {trial.batch_size:>6d}: {trial.status:<5s}'
     if not trial.fits:
-        return f'{head} {trial.error}'
+        return f'{head} {trial.error}{_compile_note(trial)}'
     share = f' ({trial.peak_bytes / budget:.0%} of budget)' if budget and trial.peak_bytes is not None else ''
     note = '' if trial.accepted is not False else '  [over headroom]'
     note += f'  [re-timing {trial.retime}]' if trial.retime else ''
     speed = f'{trial.ms_per_step:.1f} ms/step, {trial.samples_per_s:.1f} samples/s' if trial.ms_per_step else ''
-    return f'{head} peak {format_bytes(trial.peak_bytes)}{share}  {speed}{note}'
+    return f'{head} peak {format_bytes(trial.peak_bytes)}{share}  {speed}{note}{_compile_note(trial)}'
+
+
+def _compile_note(trial: Trial) -> str:
+    """What a compiled trial spent compiling: graphs compiled and loaded from the cache, and the seconds."""
+    if trial.compile_s is None:
+        return ''
+    return f'  [compile {trial.compile_s:.1f} s: {trial.graphs_compiled} graphs compiled, {trial.graphs_loaded} loaded]'
 
 
 def trials_to_json(trials: Sequence[Trial], **meta) -> str:

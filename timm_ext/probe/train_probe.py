@@ -3,14 +3,17 @@
 `probe_train_batch` puts the pieces together for a training trial (`timm_ext.probe.trial`): the budget resolved after
 a first step, the cap in force while trials run, each trial measured (`timm_ext.probe.measure`) and agreed across ranks
 (`timm_ext.probe.rank_agreement`), the search aimed at the headroom's limit (`timm_ext.probe.search`), re-timing for a
-throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`).
+throughput choice (`timm_ext.probe.retime`), and the choice (`timm_ext.probe.selection`). A compiled CPU trial that had
+to compile under the cap runs again once an uncapped run compiled its graphs (`compiled_first`), and train.py's own
+graphs are compiled once the run is planned (`compile_run_graphs`; `timm_ext.probe.compiled_trials` says why).
 """
+import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ..memory import MemoryBudget, PeakMeter, device_name, format_bytes, memory_cap
+from ..memory import MemoryBudget, MemoryCap, PeakMeter, device_name, format_bytes, memory_cap
 from .grids import BatchGrid, default_grid
 from .forked import isolate_trials
 from .measure import measured_trial
@@ -20,9 +23,10 @@ from .search import search_batch_size
 from .selection import Selection, headroom_accept, select_batch_size
 from .table import ERROR, Trial, TrialError, TrialFn
 from .trial import TrainTrialSetup
-from .trial_host import TrialHost, hosted_trials
+from .trial_host import TrialHost, hosted_trials, uncapped_trial
+from .compiled_trials import compiled_first
 
-__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup']
+__all__ = ['ProbeOutcome', 'probe_train_batch', 'check_step_runs', 'budget_after_warmup', 'compile_run_graphs']
 
 
 @dataclass
@@ -35,12 +39,15 @@ class ProbeOutcome:
         describe: What was probed (model, input, precision, optimizer).
         device_name: The device's name.
         cached: Read from the probe cache (no trials ran).
+        compile_seconds: Wall seconds the probe spent compiling: the uncapped compile runs before the trials and
+            what each trial spent in torch.compile (loading graphs, mostly); None for a probe that compiled nothing.
     """
     selection: Selection
     budget: int
     describe: str
     device_name: str
     cached: bool = False
+    compile_seconds: Optional[float] = None
 
     @property
     def trials(self) -> List[Trial]:
@@ -94,20 +101,13 @@ def probe_train_batch(
         isolate = host is not None or isolate_trials(device)  # CPU trials in forked processes, CUDA trials here
         if not isolate:
             check_step_runs(setup, start)  # on CUDA this first update also sets up kernels and library workspaces
+        compile_runs: Optional[List[float]] = [] if isolate and setup.batch_dynamic is not None else None
         # resolved after that first update: what it took outside the allocator is no longer free for the budget
         budget_bytes = budget if isinstance(budget, int) else budget.resolve(device)
         context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
         with memory_cap(device, budget_bytes) as cap:
             budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
-            if host is not None:
-                trial: TrialFn = host.trial(budget_bytes, timed_steps)
-            else:
-                trial = measured_trial(
-                    setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
-                    capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
-                    benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled
-                    and torch.backends.cudnn.benchmark)
-            trial = agree_across_ranks(trial)
+            trial = agree_across_ranks(_capped_trial(setup, host, cap, timed_steps, isolate, compile_runs))
             # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
             accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
             grid = grid or default_grid(device.type)
@@ -124,18 +124,65 @@ def probe_train_batch(
         if chosen != selection.batch_size:
             pick = next(t for t in trials if t.batch_size == chosen)
             selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)
-    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device))
+    in_trials = [t.compile_s for t in trials if t.compile_s is not None]
+    compiled_s = sum(compile_runs or []) + sum(in_trials) if in_trials or compile_runs else None
+    return ProbeOutcome(selection, budget_bytes, setup.describe, device_name(device), compile_seconds=compiled_s)
 
 
-def check_step_runs(setup: TrainTrialSetup, start: int = 2, host: Optional[TrialHost] = None) -> None:
+def _capped_trial(setup: TrainTrialSetup, host: Optional[TrialHost], cap: MemoryCap, timed_steps: int, isolate: bool,
+                  compile_runs: Optional[List[float]]) -> TrialFn:
+    """The probe's trial under `cap`: in the trial host, a fork or this process; a compiled CPU trial that compiled is
+    run again after an uncapped run of its size (`compiled_first`, the seconds appended to `compile_runs`)."""
+    device = setup.device
+    if host is not None:
+        trial: TrialFn = host.trial(cap.budget, timed_steps)
+    else:
+        trial = measured_trial(
+            setup.step, device, PeakMeter(device, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
+            capped=True, before=setup.reset, isolate=isolate, warmup=setup.warmup,
+            benchmark_warmup=device.type == 'cuda' and torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark)
+    if compile_runs is None:
+        return trial
+    return compiled_first(trial, _uncapped(setup, host, warm_up=True), compile_runs)
+
+
+def _uncapped(setup: TrainTrialSetup, host: Optional[TrialHost], warm_up: bool = False,
+              batch_dynamic: bool = True) -> TrialFn:
+    """`uncapped_trial` where the probe's trials run: in the trial host, else forked where the process can."""
+    if host is not None:
+        return host.trial(None, warm_up=warm_up, batch_dynamic=batch_dynamic)
+    return uncapped_trial(setup, isolate_trials(setup.device), warm_up, batch_dynamic)
+
+
+def compile_run_graphs(setup: TrainTrialSetup, train_batch: int, eval_batch: Optional[int]) -> float:
+    """Compile the graphs train.py will run, static, into inductor's disk cache, uncapped, in a fork of their own.
+
+    The trials loaded graphs whose batch dimension is dynamic; train.py compiles its training graph for its one batch
+    (dynamo marks a dimension dynamic only once it has seen it change, as the eval pass's smaller last batch does).
+    Under a cap, a train.py that compiled its graphs itself would hold the compile's heap besides what a trial
+    measured; compiled here, it loads them as the trials did. The order is train.py's first epoch: an update at
+    `train_batch`, the eval pass at `eval_batch` (None: no eval pass) in shapes, an update.
+
+    Returns:
+        Its wall seconds.
+    """
+    started = time.perf_counter()
+    run = setup.eval_trials(train_batch) if eval_batch is not None and setup.eval_step is not None else setup
+    with hosted_trials(run) as host:
+        _uncapped(run, host, warm_up=True, batch_dynamic=False)(eval_batch if run is not setup else train_batch)
+    return time.perf_counter() - started
+
+
+def check_step_runs(setup: TrainTrialSetup, start: int = 2, host: Optional[TrialHost] = None,
+                    warm_up: bool = False) -> None:
     """One uncapped trial at a tiny batch (all ranks together): a step that fails without any cap is the run's own
-    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles.
+    failure, not an out-of-memory. On CUDA it also loads the step's kernels and library handles. With `warm_up` it
+    runs the trial's whole warm-up (`uncapped_trial`).
 
     Raises:
         TrialError: The step fails; one line naming the run.
     """
-    uncapped = agree_across_ranks(host.trial(None) if host is not None else measured_trial(
-        setup.step, setup.device, before=setup.reset, isolate=isolate_trials(setup.device)))
+    uncapped = agree_across_ranks(_uncapped(setup, host, warm_up))
     check = uncapped(min(start, 2))
     if check.status == ERROR:
         raise TrialError(f'a training step fails before any memory cap ({setup.describe} on '

@@ -28,6 +28,10 @@ the life of the process, so train.py's second epoch trains with the eval pass's 
 32 px, batch 19, peaked 41.7 MiB in its first epoch and 49.7 MiB after the first eval, while a trial of updates only
 measured 41.9 MiB, and the chosen batch ran out of memory in train.py under the probe's own cap.
 
+With `--torchcompile` on the CPU the trials' compiled modules take the batch dimension dynamic (`BatchDynamic`):
+every trial runs in a fork of its own, and one graph for all batch sizes lets each load what the first compiled from
+inductor's disk cache instead of compiling again (`timm_ext.probe.compiled_trials`).
+
 The same setup also times the run's evaluation step (`TrainTrialSetup.eval_trials`): a forward pass without
 gradients of the eval model at the eval input size, with the optimizer state resident as it is when train.py
 evaluates between epochs; tune_batch.py probes it for `validation_batch_size`.
@@ -47,6 +51,7 @@ from ..train.setup import SetupError, with_values
 from ..train.stack import TrainingStack, build_training_stack
 from ..train.trial_steps import (probe_input_size, schedule_inputs, trial_eval_forward, trial_eval_step, trial_loop,
                                  trial_train_step)
+from .compiled_trials import BatchDynamic, graph_cache_on
 
 __all__ = ['TrainTrialSetup', 'build_train_trial', 'probe_grad_scaler',
            'probe_compile_mode', 'PROBE_LOSS_SCALE', 'eval_batch_shapes']
@@ -88,6 +93,8 @@ class TrainTrialSetup:
         args: train.py's arguments the setup was built from, so that another process can build it again
             (`timm_ext.probe.trial_host`); None for a setup built otherwise.
         phase: 'train', or 'eval' for `eval_trials`.
+        batch_dynamic: The marks that make the compiled modules' batch dimension dynamic (`BatchDynamic`): compiled
+            CPU trials only, else None.
     """
     step: Callable[[int], None]
     reset: Callable[[], None]
@@ -104,6 +111,7 @@ class TrainTrialSetup:
     train_batch: Optional[int] = None
     args: Optional[argparse.Namespace] = None
     phase: str = 'train'
+    batch_dynamic: Optional[BatchDynamic] = None
 
     def warmup(self, batch_size: int) -> None:
         """The trial's untimed first part, train.py's epoch boundary: a training trial runs one update, then the eval
@@ -186,13 +194,17 @@ def build_train_trial(args: argparse.Namespace, device: torch.device) -> TrainTr
         loop.grad_scaler = probe_grad_scaler(device) if stack.amp.use_grad_scaler else None
 
     forward = trial_eval_forward(args, stack, eval_input_size, device)
-    return TrainTrialSetup(step, reset, tuple(input_size), _describe_trial(args, stack, input_size, compile_mode),
-                           device, trial_eval_step(stack, step, forward), eval_input_size, forward,
-                           args.validation_batch_size, None, max(1, args.world_size), step, args=args)
+    # CPU trials run in forks that share compiled graphs only through the disk cache: one graph for every batch size
+    batch_dynamic = BatchDynamic(stack.task) if args.torchcompile and device.type == 'cpu' and graph_cache_on() \
+        else None
+    describe = _describe_trial(args, stack, input_size, compile_mode, batch_dynamic is not None)
+    return TrainTrialSetup(step, reset, tuple(input_size), describe, device, trial_eval_step(stack, step, forward),
+                           eval_input_size, forward, args.validation_batch_size, None, max(1, args.world_size), step,
+                           args=args, batch_dynamic=batch_dynamic)
 
 
 def _describe_trial(args: argparse.Namespace, stack: TrainingStack, input_size: Tuple[int, ...],
-                    compile_mode: Optional[str]) -> str:
+                    compile_mode: Optional[str], batch_dynamic: bool) -> str:
     """One line naming the model, input, precision, optimizer and what the trial changes from the run."""
     amp = stack.amp
     precision = f'AMP {amp.dtype}'.replace('torch.', '') if amp.enabled else str(stack.model_dtype or 'float32')
@@ -201,6 +213,7 @@ def _describe_trial(args: argparse.Namespace, stack: TrainingStack, input_size: 
     extras = [x for x, on in (('channels_last', args.channels_last), ('grad checkpointing', args.grad_checkpointing),
                               ('EMA', args.model_ema), ('torch.compile', args.torchcompile),
                               ('no CUDA graphs in trials', graphs_dropped),
+                              ('batch dimension dynamic in trials', batch_dynamic),
                               ('SyncBN probed as BN', sync_bn_asked)) if on]
     return (f'model {args.model} at input {"x".join(map(str, input_size))}, {precision}, optimizer {args.opt}'
             + (', ' + ', '.join(extras) if extras else ''))

@@ -20,18 +20,18 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import timm
 import torch
 
 from ..memory import PeakMeter, memory_cap
-from ..child_process import die_with_parent, fork_runs_autograd
+from ..child_process import die_with_parent, fork_runs_autograd, soft_limit_lifted
 from .measure import measured_trial
 from .table import Trial, TrialFn
 from .trial import TrainTrialSetup, build_train_trial
 
-__all__ = ['TrialHost', 'hosted_trials', 'serve']
+__all__ = ['TrialHost', 'hosted_trials', 'serve', 'uncapped_trial']
 
 _logger = logging.getLogger(__name__)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,11 +115,13 @@ class TrialHost:
         except EOFError:
             raise RuntimeError(f'the trial host exited with status {self._process.wait()}') from None
 
-    def trial(self, budget: Optional[int], timed_steps: int = 1) -> TrialFn:
+    def trial(self, budget: Optional[int], timed_steps: int = 1, warm_up: bool = False,
+              batch_dynamic: bool = True) -> TrialFn:
         """Trials measured in the host: under a cap of `budget` bytes above the host's own memory (as
-        `measured_trial` under `memory_cap`), or, with no budget, the uncapped check of `check_step_runs`."""
+        `measured_trial` under `memory_cap`), or, with no budget, the uncapped check of `uncapped_trial` (its
+        `warm_up` and `batch_dynamic` as there)."""
         def run(batch_size: int) -> Trial:
-            self._requests.send((batch_size, budget, timed_steps))
+            self._requests.send((batch_size, budget, timed_steps, warm_up, batch_dynamic))
             return Trial.from_dict(self._receive())
         return run
 
@@ -153,10 +155,37 @@ def hosted_trials(setup: TrainTrialSetup) -> Iterator[Optional[TrialHost]]:
             host.close()
 
 
-def _run(setup: TrainTrialSetup, batch_size: int, budget: Optional[int], timed_steps: int) -> Trial:
+def uncapped_trial(setup: TrainTrialSetup, isolate: bool, warm_up: bool = False,
+                   batch_dynamic: bool = True) -> TrialFn:
+    """A trial with no cap that only says whether the step runs (`timm_ext.probe.train_probe.check_step_runs`).
+
+    Args:
+        setup: The trial.
+        isolate: Run it in a fork (CPU), which lifts any memory cap this process is under.
+        warm_up: Run the trial's whole warm-up (an update and the eval pass in shapes) instead of one update: every
+            graph a compiled trial runs is compiled, and stays in inductor's disk cache for the trials after it.
+        batch_dynamic: A compiled CPU trial keeps the batch dimension dynamic (False: static graphs, train.py's own).
+    """
+    def marked(run: Callable[[int], None]) -> Callable[[int], None]:
+        def call(batch_size: int) -> None:
+            if setup.batch_dynamic is not None:  # set where the trial runs (its fork, or this host)
+                setup.batch_dynamic.enabled = batch_dynamic
+            # a fork inherits the cap of a probe under way (`compiled_first` compiles between capped trials)
+            with soft_limit_lifted() if isolate else contextlib.nullcontext():
+                run(batch_size)
+        return call
+
+    if warm_up:
+        return measured_trial(setup.step, setup.device, warmup_steps=1, timed_steps=0, before=setup.reset,
+                              isolate=isolate, warmup=marked(setup.warmup))
+    return measured_trial(marked(setup.step), setup.device, before=setup.reset, isolate=isolate)
+
+
+def _run(setup: TrainTrialSetup, batch_size: int, budget: Optional[int], timed_steps: int, warm_up: bool,
+         batch_dynamic: bool) -> Trial:
     cpu = torch.device('cpu')
     if budget is None:
-        return measured_trial(setup.step, cpu, before=setup.reset, isolate=True)(batch_size)
+        return uncapped_trial(setup, True, warm_up, batch_dynamic)(batch_size)
     with memory_cap(cpu, budget) as cap:
         return measured_trial(setup.step, cpu, PeakMeter(cpu, cap.baseline), warmup_steps=1, timed_steps=timed_steps,
                               capped=True, before=setup.reset, isolate=True, warmup=setup.warmup)(batch_size)
@@ -178,8 +207,7 @@ def serve() -> None:
             return
         replies.send(('ready', None))
         while True:
-            batch_size, budget, timed_steps = requests.recv()
-            replies.send(_run(setup, batch_size, budget, timed_steps).to_dict())
+            replies.send(_run(setup, *requests.recv()).to_dict())
     except EOFError:  # the parent closed its end: done
         return
 

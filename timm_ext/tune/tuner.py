@@ -28,7 +28,7 @@ from ..memory_model.estimate import EstimateError, estimate_memory
 from ..probe.grids import BatchGrid, SplitGrid, default_grid
 from ..probe.selection import select_batch_size
 from ..probe.table import format_trial, trials_to_json
-from ..probe.train_probe import ProbeOutcome, budget_after_warmup, probe_train_batch
+from ..probe.train_probe import ProbeOutcome, budget_after_warmup, compile_run_graphs, probe_train_batch
 from ..probe.trial import TrainTrialSetup, build_train_trial
 from ..train.setup import SetupError, batch_multiple, build_datasets
 from .batch_choice import (
@@ -70,7 +70,8 @@ def default_config_path(args: argparse.Namespace) -> str:
 @dataclass
 class Spent:
     """Wall seconds tune_batch.py spent deciding, by what for: 'probe' (trials of the micro-batch and eval batch),
-    'estimate' (the memory estimate's trace), 'judging' (the noise scale and the trials of bigger global batches)."""
+    'estimate' (the memory estimate's trace), 'judging' (the noise scale and the trials of bigger global batches),
+    and with torch.compile 'compile' (the probe's compiles and its trials' loading of the graphs)."""
     seconds: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(('probe', 'estimate', 'judging'), 0.0))
     phase: str = 'probe'  # what a probe run now counts as
 
@@ -84,8 +85,8 @@ class Spent:
         finally:
             self.phase = 'probe'
             # what the block's probes counted is in the block's own time: count the block once
-            self.seconds['judging'] = before['judging'] + time.perf_counter() - started - (
-                self.seconds['estimate'] - before['estimate'])
+            self.seconds['judging'] = before['judging'] + time.perf_counter() - started - sum(
+                self.seconds[what] - before.get(what, 0.0) for what in self.seconds if what not in ('judging', 'probe'))
 
     def line(self) -> str:
         """One line: what deciding cost before training, each part or 'none'."""
@@ -143,6 +144,9 @@ class ProbeRequest:
         started, estimate_s = time.perf_counter(), self.spent.seconds['estimate']
         outcome = probe_or_reuse(self, select, max_batch, start or self.args.probe_start)
         elapsed = time.perf_counter() - started - (self.spent.seconds['estimate'] - estimate_s)  # a trace it asked for
+        if outcome.compile_seconds is not None:
+            self.spent.seconds['compile'] = self.spent.seconds.get('compile', 0.0) + outcome.compile_seconds
+            elapsed -= outcome.compile_seconds
         self.spent.seconds[self.spent.phase] += elapsed
         if not outcome.cached:
             self.seconds_per_trial = elapsed / max(1, len(outcome.trials))
@@ -406,6 +410,11 @@ def plan_tuned_run(parser: argparse.ArgumentParser, args: argparse.Namespace, gi
                                            trials_path=os.path.splitext(config_path)[0] + '.eval.trials.json')
         tuned.eval_batch, tuned.eval_outcome, tuned.eval_lines = plan_eval_batch(
             eval_request, tuned, len(dataset_eval), epochs, request.seconds_per_trial)
+    if request.setup is not None and request.setup.batch_dynamic is not None and tuned.size_batches is None \
+            and args.local_rank == 0:  # train.py's own graphs, so that it loads them under its cap as the trials did
+        eval_batch = tuned.eval_batch or args.validation_batch_size or tuned.plan.micro_batch
+        spent.seconds['compile'] = spent.seconds.get('compile', 0.0) + compile_run_graphs(
+            request.setup, tuned.plan.micro_batch, eval_batch if dataset_eval is not None else None)
     tuned.spent = spent
     return tuned
 
