@@ -153,15 +153,17 @@ def test_a_trial_that_compiled_under_the_cap_runs_again_once_an_uncapped_run_com
         return Trial(batch_size, 'error', error='boom') if batch_size == 399 else Trial(batch_size, 'fit')
 
     trial = compiled_first(capped, uncapped, seconds)
-    assert trial(8).graphs_compiled == 0, 'the kept trial loaded what its first run compiled'
-    assert calls == [('capped', 8), ('uncapped', 8), ('capped', 8)]
+    assert trial(8).graphs_compiled == 0 and calls == [('uncapped', 8), ('capped', 8)], 'nothing compiled yet'
     calls.clear()
     assert trial(16).graphs_compiled == 0 and trial(8).fits
     assert calls == [('capped', 16), ('capped', 8)], 'in a range already compiled: one run; a size again: one run'
     calls.clear()
+    assert trial(120).graphs_compiled == 0, 'the kept trial loaded what its first run compiled'
+    assert calls == [('capped', 120), ('uncapped', 120), ('capped', 120)]
+    calls.clear()
     trial(250)
     assert calls == [('capped', 250), ('uncapped', 250), ('capped', 250)], 'a trial that died says nothing'
-    assert len(seconds) == 2
+    assert len(seconds) == 3
     assert trial(399).error == 'boom', 'a step that fails uncapped is the run\'s own failure'
 
 
