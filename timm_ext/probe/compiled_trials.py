@@ -128,8 +128,9 @@ def compiled_first(trial: TrialFn, compile_run: TrialFn, seconds: List[float]) -
     serves every size a search may try, and a size outside every range compiles. A trial that compiled under the cap
     counted the compile's own heap (tens of MB, resident after) and may have run out of memory compiling: so when a
     trial compiled anything, or died before it could say, `compile_run` (the trial's warm-up with no cap,
-    `timm_ext.probe.trial_host.uncapped_trial`) compiles what is missing, and the trial runs again, loading it. A size
-    whose trial loaded every graph is not checked again (re-timing).
+    `timm_ext.probe.trial_host.uncapped_trial`) compiles what is missing, and the trial runs again, loading it. The
+    first size gets the compile run first (nothing is known compiled yet), and a size whose trial loaded every graph
+    is not checked again (re-timing).
 
     Args:
         trial: The capped trial.
@@ -147,10 +148,11 @@ def compiled_first(trial: TrialFn, compile_run: TrialFn, seconds: List[float]) -
         if batch_size in loaded:
             return trial(batch_size)
         started = time.perf_counter()
-        first = trial(batch_size)
-        if first.graphs_compiled == 0:
-            loaded.add(batch_size)
-            return first
+        if loaded or seconds:  # a graph is in the cache: this size may load it
+            first = trial(batch_size)
+            if first.graphs_compiled == 0:
+                loaded.add(batch_size)
+                return first
         check = compile_run(batch_size)
         seconds.append(time.perf_counter() - started)
         if not check.fits:

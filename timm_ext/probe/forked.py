@@ -15,6 +15,9 @@ __all__ = ['isolate_trials', 'run_forked']
 
 _logger = logging.getLogger(__name__)
 
+# The signals a trial process dies of when an allocation fails under the cap (see `run_forked`)
+CAPPED_KILLS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGKILL, signal.SIGABRT)
+
 _SINGLE_THREAD_NOTE = [False]
 _IN_PROCESS_NOTE = [False]
 
@@ -46,8 +49,10 @@ def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> 
     oneDNN caches the primitives (with their buffers) of every shape it has run, so under RLIMIT_DATA each trial
     would pay for the ones before it. A fork starts every trial from the same state, exactly as a fresh process
     would, and the rlimit is inherited. oneDNN also does not check every allocation: under a cap a child can die of
-    SIGSEGV/SIGBUS; that is reported as out-of-memory when capped (the training probe first runs the same step
-    uncapped, so a step that crashes anyway is reported as the run's failure), never as a crash of the caller.
+    SIGSEGV/SIGBUS, or of SIGABRT where a failed allocation ends in an abort (a compiled trial of test_vit under
+    140 MiB: "Fatal Python error: Cannot recover from stack overflow" while dynamo handled a MemoryError). That is
+    reported as out-of-memory when capped (the training probe also runs the step uncapped, so a step that crashes
+    anyway is reported as the run's failure), never as a crash of the caller.
 
     GNU OpenMP's thread pool does not survive fork; if this process already runs other threads, the child computes
     with one thread.
@@ -61,7 +66,7 @@ def run_forked(trial_fn: Callable[[], Trial], batch_size: int, capped: bool) -> 
         return Trial.from_dict(reply)
     if os.WIFSIGNALED(wait_status):
         sig = signal.Signals(os.WTERMSIG(wait_status)).name
-        if capped and os.WTERMSIG(wait_status) in (signal.SIGSEGV, signal.SIGBUS, signal.SIGKILL):
+        if capped and os.WTERMSIG(wait_status) in CAPPED_KILLS:
             return Trial(batch_size, OOM, error=f'trial process killed by {sig} under the memory cap')
         return Trial(batch_size, ERROR, error=f'trial process killed by {sig}')
     return Trial(batch_size, ERROR, error=f'trial process exited with status {os.WEXITSTATUS(wait_status)}')
