@@ -9,11 +9,17 @@ For each model (a convnet, a ViT, a ConvNeXt, at small inputs so a compile stays
 2. the real limit: the largest batch at which `train.py [--torchcompile] --steady-cpu-heap` completes `--updates`
    training updates, each trial a fresh process (inductor's on-disk cache fresh too: a cold compile), the cap set as
    `bench/bench_estimate.py` and the probe set it: RLIMIT_DATA = the data segment when the first epoch starts (model,
-   optimizer and data loader built; nothing compiled yet) + CAP. Searched from the estimate: x1.25 to a failure, then
-   bisected to within 2%. The epoch stops after `--updates` updates and the run ends before evaluation;
+   optimizer and data loader built; nothing compiled yet) + CAP. An uncapped trial at batch `PROFILE_BATCH` gives the
+   search its start (what stays after an update is fixed, the rest grows with the batch); from there x`SEARCH_STEP` to
+   a failure, then bisected to within 2%. The epoch stops after `--updates` updates and the run ends before evaluation;
 3. what each trial held: the data segment above the cap's zero at the end of each compile (before the step it compiled
-   runs), its peak during the compiles, during each update and after each update, and where a failed trial failed
-   (inside a compile or in a step) with its error.
+   runs), its peak during the compiles, during each update and after each update, the process's threads (RLIMIT_DATA
+   counts each one's stack: 8 MiB by default), and where a failed trial failed (inside a compile or in a step) with
+   its error; and a least-squares line (fixed + per sample) through the held trials' peaks and the estimate's.
+
+`--step-check`: a training step outside train.py, eager, compiled, and compiled with the batch dimension marked dynamic
+(`torch._dynamo.mark_dynamic`): the peak of live bytes from torch.profiler's memory events, the data segment's peak,
+and what the compiles keep after the steps.
 
     python bench/bench_compile_cpu.py                          # three families, eager and compiled (~1 h on 2 cores)
     python bench/bench_compile_cpu.py --models resnet18 --modes compiled
@@ -156,7 +162,8 @@ def held_before_step(profile: dict) -> Dict[str, Optional[float]]:
     return dict(epoch_start_mib=profile['baseline_mib'],
                 after_first_compile_mib=compiles[0]['after_mib'] if compiles else 0.0,
                 compile_peak_mib=max((w['peak_mib'] for w in compiles), default=0.0),
-                after_updates_mib=profile['windows'][-1]['after_mib'], step_peak_mib=profile['peak_mib'])
+                after_updates_mib=profile['windows'][-1]['after_mib'], step_peak_mib=profile['peak_mib'],
+                threads=profile['windows'][-1].get('threads'))
 
 
 def run_model(name: str, modes: List[str], updates: int, work: Path) -> List[dict]:
@@ -211,8 +218,8 @@ class _Windows:
     def close(self, name: str) -> None:
         from timm_ext.memory import data_and_stack
         peak = self.meter.peak() or 0
-        self.rows.append(dict(window=name, peak_mib=_mib(peak),
-                              after_mib=_mib(data_and_stack() - self.baseline)))
+        self.rows.append(dict(window=name, peak_mib=_mib(peak), after_mib=_mib(data_and_stack() - self.baseline),
+                              threads=_threads()))
         self.meter.reset()
 
 
@@ -346,7 +353,7 @@ def step_worker(name: str, batch: int, mode: str) -> dict:
     step()
     record = dict(model=name, batch=batch, mode=mode, profiler_peak_mib=_mib(peak),
                   vmdata_peak_mib=_mib(meter.peak() or 0), after_steps_mib=_mib(data_and_stack() - start),
-                  graphs=torch._dynamo.utils.counters['stats']['unique_graphs'])
+                  graphs=torch._dynamo.utils.counters['stats']['unique_graphs'], threads=_threads())
     torch._dynamo.reset()
     gc.collect()
     record['after_dynamo_reset_mib'] = _mib(data_and_stack() - start)
@@ -355,6 +362,12 @@ def step_worker(name: str, batch: int, mode: str) -> dict:
 
 def _mib(num_bytes: float) -> float:
     return round(num_bytes / MiB, 1)
+
+
+def _threads() -> int:
+    """This process's threads: each one's stack is private writable memory that RLIMIT_DATA counts (its size is the
+    stack limit, 8 MiB by default, whether or not it is touched)."""
+    return len(os.listdir('/proc/self/task'))
 
 
 def step_check(names: List[str], batch: int) -> List[dict]:
@@ -379,13 +392,20 @@ def print_tables(rows: List[dict]) -> None:
         where = '; '.join(sorted({f.split(':')[0] for f in r['failures']}))
         print(f'| {r["model"]} | {r["mode"]} | {r["budget_mib"]} MiB | {r["real_limit"]} | {r["estimated"]} | '
               f'{r["error_pct"]:+.1f}% | {where} |')
+    print('\n| model | mode | train.py peaks: fixed + per sample | the estimate\'s: fixed + per sample |')
+    print('| --- | --- | --- | --- |')
+    for r in rows:
+        real, est = (r.get(key) or dict(fixed_mib='?', per_sample_mib='?') for key in ('real_line', 'estimate_line'))
+        print(f'| {r["model"]} | {r["mode"]} | {real["fixed_mib"]} MiB + {real["per_sample_mib"]} MiB x b | '
+              f'{est["fixed_mib"]} MiB + {est["per_sample_mib"]} MiB x b |')
     print(f'\n| model | mode | data segment at the epoch start | held after the first compile (before its step) | '
-          f'compiles\' peak | held after the updates | peak (b={PROFILE_BATCH}) |')
-    print('| --- | --- | --- | --- | --- | --- | --- |')
+          f'compiles\' peak | held after the updates | peak (b={PROFILE_BATCH}) | threads |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- |')
     for r in rows:
         h = r['held']
         print(f'| {r["model"]} | {r["mode"]} | {h["epoch_start_mib"]} MiB | {h["after_first_compile_mib"]} MiB | '
-              f'{h["compile_peak_mib"]} MiB | {h["after_updates_mib"]} MiB | {h["step_peak_mib"]} MiB |')
+              f'{h["compile_peak_mib"]} MiB | {h["after_updates_mib"]} MiB | {h["step_peak_mib"]} MiB | '
+              f'{h.get("threads")} |')
 
 
 def main(argv: Optional[List[str]] = None) -> int:
