@@ -26,6 +26,7 @@ from timm.utils import world_info_from_env
 
 from timm_ext.distributed import end_process_group, lost_peer
 from timm_ext.errors import TimmExtError, report
+from timm_ext.oom import is_oom
 from timm_ext.train.args import args_to_yaml, build_parser, given_dests, parse_args
 from timm_ext.train.batch_ramp import with_noise_scale
 from timm_ext.train.run import TrainingRun
@@ -53,6 +54,15 @@ def main(argv=None, prog: str = 'train.py') -> int:
     except KeyboardInterrupt:
         print(f'{prog}: interrupted; the checkpoints on disk are complete, resume from the newest', file=sys.stderr)
         return 130
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # a RuntimeError: handled before the lost-peer check
+        reason = ' '.join(str(e).split())[:200]
+        if is_oom(e) or "can't start new thread" in str(e):  # a capped process: the compile's own memory
+            print(f'{prog}: error: --torchcompile {args.torchcompile} ran out of memory while compiling the model '
+                  f'({reason}); raise the memory budget or run without --torchcompile', file=sys.stderr)
+        else:
+            print(f'{prog}: error: --torchcompile {args.torchcompile} could not compile the model ({reason}); '
+                  f'run without --torchcompile or pick another backend', file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if not lost_peer(e):
             raise
@@ -60,11 +70,6 @@ def main(argv=None, prog: str = 'train.py') -> int:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f'{prog}: error: rank {rank} lost contact with the other processes of the run (one died or '
               f'the network failed: {reason}); stopping, the checkpoints on disk are complete', file=sys.stderr)
-        return 1
-    except torch._dynamo.exc.BackendCompilerFailed as e:
-        reason = ' '.join(str(e).split())[:200]
-        print(f'{prog}: error: --torchcompile {args.torchcompile} could not compile the model ({reason}); '
-              f'run without --torchcompile or pick another backend', file=sys.stderr)
         return 1
     finally:
         end_process_group(wait=finished)  # every rank that finished waits for the others before the group goes
