@@ -44,15 +44,8 @@ CONFIGS = {  # row -> (step, flags)
     'bf16 adamw': ('train', ('--amp', '--amp-dtype', 'bfloat16', '--opt', 'adamw')),
     'eval fp16': ('validate', ('--amp',)),
     'fp16 adamw ckpt': ('train', ('--amp', '--opt', 'adamw', '--grad-checkpointing')),
-    'fp16 adamw compiled': ('train', ('--amp', '--opt', 'adamw', '--torchcompile')),
-    'eval fp16 compiled': ('validate', ('--amp', '--torchcompile')),
 }
-OPTIONAL = {'fp16 adamw ckpt', 'fp16 adamw compiled', 'eval fp16 compiled'}  # a row only where the step traces
-COMPILED = {'fp16 adamw compiled', 'eval fp16 compiled'}
-# the models given compiled rows: one or two of each family on the page (a compiled trace costs several eager ones)
-COMPILED_MODELS = ('resnet50', 'efficientnet_b0', 'tf_efficientnetv2_s', 'convnext_tiny', 'convnextv2_tiny',
-                   'vit_small_patch16_224', 'vit_base_patch16_224', 'swin_tiny_patch4_window7_224', 'caformer_s18',
-                   'regnety_040', 'mobilenetv3_large_100', 'maxvit_tiny_tf_224')
+OPTIONAL = {'fp16 adamw ckpt'}  # a row only where the step traces with it
 # bfloat16 holds what float16 holds in the CUDA model (the same casts, two bytes an element, the same kernel limits),
 # so its rows come from the float16 trace; tests/test_atlas.py traces one in bfloat16 to check it
 TRACED_AS = {'bf16 sgd': 'fp16 sgd', 'bf16 adamw': 'fp16 adamw'}
@@ -111,8 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     kept = {(r['model'], r['config']): r for r in csv.DictReader(open(TABLE))} if traced != set(CONFIGS) else {}
     cache = {} if args.fresh or not os.path.exists(CACHE) else json.load(open(CACHE))
     cache = {k: e for k, e in cache.items() if 'error' in e or 'log' in e}  # older entries have no event log
-    todo = [(m, c) for m in models for c in CONFIGS if c in traced and c not in TRACED_AS and f'{m}|{c}' not in cache
-            and (c not in COMPILED or m in COMPILED_MODELS)]
+    todo = [(m, c) for m in models for c in CONFIGS if c in traced and c not in TRACED_AS and f'{m}|{c}' not in cache]
     os.makedirs(os.path.dirname(CACHE), exist_ok=True)
     for i, (model, config) in enumerate(todo, 1):
         cache[f'{model}|{config}'] = trace(model, config)
@@ -129,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if config not in traced:
                 rows += [kept[(model, config)]] if (model, config) in kept else []
                 continue
-            entry = cache.get(f'{model}|{TRACED_AS.get(config, config)}', {'error': 'not traced'})
+            entry = cache[f'{model}|{TRACED_AS.get(config, config)}']
             if config in OPTIONAL and 'error' in entry:
                 continue
             size = entry.get('describe', '').split(' at input ')[-1].split(',')[0]
@@ -173,10 +165,7 @@ def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[Lis
             'pass; the savers table of `tune_batch.py --estimate` prices its extra compute), for the models whose '
             'checkpointed step the estimate traces: not yet ConvNeXt, Swin, MaxViT, CAFormer and EdgeNeXt (on the CUDA '
             'trace their recomputed forward\'s tensors differ from the first\'s, which torch\'s checkpoint refuses), '
-            'nor inception_v3 (no checkpointing in timm). The `compiled` rows are the same steps under '
-            '`--torchcompile` (inductor), for one or two models of each family: the compiled graphs traced as '
-            'inductor runs them, what its kernels fuse never held ([docs/gpu.md](gpu.md#torchcompile)); where a '
-            'compiled row is capped, not by memory, bigger cards do not raise it.',
+            'nor inception_v3 (no checkpointing in timm).',
             '',
             '**Confirmed**: one of timm\'s published GPU tables holds this model, and the CUDA model, run as that '
             'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
