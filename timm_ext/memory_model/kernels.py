@@ -27,6 +27,7 @@ import re
 from typing import Iterator, List, Mapping, Optional, Tuple
 
 from .kernels_attention import ASSUMED_COMPUTE_CAPABILITY, attention_allocations, describe_attention
+from .versions import PINNED, Software
 
 __all__ = ['describe_op', 'cuda_allocations', 'cublas_workspace_bytes', 'cublaslt_workspace_bytes', 'Allocation']
 
@@ -95,7 +96,8 @@ def describe_op(func, args: tuple, out, kwargs: Optional[Mapping] = None) -> Opt
 
 def cuda_allocations(signature: str, numbers: List[int], backward: bool,
                      compute_capability: Optional[Tuple[int, int]] = None,
-                     environ: Optional[Mapping[str, str]] = None) -> Iterator[Allocation]:
+                     environ: Optional[Mapping[str, str]] = None,
+                     software: Optional[Software] = None) -> Iterator[Allocation]:
     """The allocations CUDA's kernel makes for an op `describe_op` described, in order.
 
     Args:
@@ -103,7 +105,9 @@ def cuda_allocations(signature: str, numbers: List[int], backward: bool,
         backward: Whether the op runs in autograd's backward (its device thread, its own cuBLAS handle).
         compute_capability: The card's, when known (cuBLAS's workspace and the attention backend depend on it).
         environ: The run's environment (default: this process's): CUBLAS_WORKSPACE_CONFIG and the like.
+        software: The torch, CUDA and cuDNN whose rules apply (default: `versions.PINNED`).
     """
+    software = software or PINNED
     if signature.startswith('matmul'):
         thread = 'backward' if backward else 'forward'
         yield cublas_workspace_bytes(compute_capability, environ), 'kept', f'cublas {thread}'

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Tuple, Type
 from .allocator import ROUND_LARGE, Block, CachingAllocator, OutOfMemory
 from .allocator_config import AllocatorConfig
 from .kernels import cuda_allocations
+from .versions import PINNED, Software
 
 __all__ = ['ReplayConfig', 'replay', 'fits', 'least_memory', 'largest_batch']
 
@@ -33,12 +34,14 @@ class ReplayConfig:
         allocator: The allocator options the run starts with (`timm_ext.memory_model.allocator_config`).
         accumulating: Gradients resident from the start (gradient accumulation; or zero_grad() that keeps them).
         compute_capability: The card's, when known.
+        software: The torch, CUDA and cuDNN whose rules the kernels follow (`timm_ext.memory_model.versions`).
     """
     iterations: int = 3
     cudnn_benchmark: bool = True
     allocator: AllocatorConfig = AllocatorConfig()
     accumulating: bool = False
     compute_capability: Optional[Tuple[int, int]] = None
+    software: Software = PINNED
 
 
 def _try_malloc(allocator: CachingAllocator, nbytes: int, tag: tuple) -> Optional[Block]:
@@ -96,7 +99,7 @@ def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, p
     signature, where = names[event[1]], names[event[2]]
     transient = []
     for nbytes, life, key in cuda_allocations(signature, event[3:], where.startswith('backward'),
-                                              config.compute_capability):
+                                              config.compute_capability, software=config.software):
         tag = ('workspace', key, where)
         if life == 'kept':
             if key not in kept:

@@ -1,0 +1,177 @@
+"""The software a planned run uses: torch, the CUDA runtime and cuDNN, and the releases whose rules the model holds.
+
+Kernel routing, workspaces, allocator options and autocast lists change between torch, CUDA and cuDNN releases, so a
+rule of the memory model is a rule of a version (read at that release's tag). The estimate plans for the software of
+the run: the installed torch's by default (`installed_software`), or what the user names for another machine
+(`--software`, `parse_software`). The model holds the rules of `RELEASES`: a run on any other torch is planned with
+the nearest covered release (`modelled_software`), and the plan says so.
+
+Where each release's figures were read:
+
+* torch 1.12.1 + CUDA 11.3 + cuDNN 8.3.2: timm's RTX 3090 training table (benchmark-train-amp-nchw-pt112-cu113-
+  rtx3090.csv); the cu113 wheels bundled cuDNN 8.3.2 (`torch.backends.cudnn.version()` 8302 on torch 1.12.1+cu113,
+  https://github.com/pytorch/pytorch/issues/80437).
+* torch 2.9.1 + CUDA 12.8 + cuDNN 9.10.2: timm's RTX 4090 dynamo table (…-pt291-cu128-4090-dynamo.csv); the PyPI wheel
+  torch-2.9.1-cp311-cp311-manylinux_2_28_x86_64.whl requires nvidia-cudnn-cu12==9.10.2.21 (its METADATA).
+* torch 2.9.1 + CUDA 13.0 + cuDNN 9.13.0: timm's RTX 5090 and RTX Pro 6000 tables (…-pt291-cu130-*.csv); the cu130
+  wheels (download.pytorch.org/whl/cu130) require nvidia-cudnn-cu13==9.13.0.50 (PYTORCH_EXTRA_INSTALL_REQUIREMENTS of
+  pytorch's CUDA 13.0 manywheel builds in the 2.9 release).
+* torch 2.14.1 + CUDA 13.0 + cuDNN 9.24.0: this project's pin (requirements.txt); the wheel requires
+  nvidia-cudnn-cu13==9.24.0.43 (its METADATA).
+"""
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..errors import UsageError
+
+__all__ = ['Software', 'RELEASES', 'PINNED', 'installed_software', 'parse_software', 'modelled_software',
+           'software_flag_problem', 'add_software_argument']
+
+Version = Tuple[int, ...]
+
+
+def _version(text: str, parts: int) -> Version:
+    """The first `parts` numbers of a version string ('2.14.1+cu130' -> (2, 14, 1)); missing ones are 0."""
+    numbers = [int(n) for n in re.findall(r'\d+', text.split('+')[0])][:parts]
+    if not numbers:
+        raise ValueError(f'not a version: {text!r}')
+    return tuple(numbers + [0] * (parts - len(numbers)))
+
+
+def _dotted(version: Optional[Version]) -> str:
+    return '.'.join(map(str, version)) if version else 'none'
+
+
+@dataclass(frozen=True)
+class Software:
+    """The torch, CUDA runtime and cuDNN of a run.
+
+    Attributes:
+        torch: torch's (major, minor, patch).
+        cuda: The CUDA runtime torch was built with, (major, minor); None for a build without CUDA.
+        cudnn: cuDNN's (major, minor, patch); None where there is none.
+    """
+    torch: Tuple[int, int, int]
+    cuda: Optional[Tuple[int, int]]
+    cudnn: Optional[Tuple[int, int, int]]
+
+    def __str__(self) -> str:
+        return f'torch {_dotted(self.torch)}, CUDA {_dotted(self.cuda)}, cuDNN {_dotted(self.cudnn)}'
+
+    @property
+    def cudnn_number(self) -> int:
+        """cuDNN's version as `torch.backends.cudnn.version()` gives it (cudnn.h's CUDNN_VERSION: major x 1000 before
+        cuDNN 9, major x 10000 from 9, + minor x 100 + patch); 0 without cuDNN."""
+        if self.cudnn is None:
+            return 0
+        major, minor, patch = self.cudnn
+        return major * (10000 if major >= 9 else 1000) + minor * 100 + patch
+
+    def torch_at_least(self, *version: int) -> bool:
+        return self.torch >= version
+
+
+RELEASES: Tuple[Software, ...] = (
+    Software((1, 12, 1), (11, 3), (8, 3, 2)),
+    Software((2, 9, 1), (12, 8), (9, 10, 2)),
+    Software((2, 9, 1), (13, 0), (9, 13, 0)),
+    Software((2, 14, 1), (13, 0), (9, 24, 0)),
+)
+PINNED = RELEASES[-1]  # requirements.txt's torch, and its wheel's CUDA and cuDNN
+
+
+def installed_software() -> Software:
+    """The software of this process's torch (a build without CUDA plans with its release's CUDA and cuDNN)."""
+    import torch
+    version = _version(torch.__version__, 3)
+    cuda = _version(torch.version.cuda, 2) if torch.version.cuda else None
+    cudnn_number = torch.backends.cudnn.version() if cuda else None
+    if cuda is None:
+        return Software(version, None, None)
+    cudnn = None
+    if cudnn_number:
+        scale = 10000 if cudnn_number >= 90000 else 1000
+        cudnn = (cudnn_number // scale, cudnn_number % scale // 100, cudnn_number % 100)
+    return Software(version, cuda, cudnn)
+
+
+def parse_software(text: str) -> Software:
+    """`--software`'s value: 'torch=2.9.1,cuda=13.0,cudnn=9.13.0' (keys in any order; cuda and cudnn may be left
+    out: the covered release of that torch gives them).
+
+    Raises:
+        UsageError: A key that is not torch, cuda or cudnn, a value that is not a version, or no torch.
+    """
+    found = {}
+    for item in filter(None, (part.strip() for part in text.split(','))):
+        key, _, value = item.partition('=')
+        key = key.strip().lower()
+        if key not in ('torch', 'cuda', 'cudnn') or not value.strip():
+            raise UsageError(f'--software {text}: {item!r} is not torch=X.Y.Z, cuda=X.Y or cudnn=X.Y.Z; write e.g. '
+                             f'--software torch=2.9.1,cuda=13.0,cudnn=9.13.0')
+        try:
+            found[key] = _version(value.strip(), 3 if key != 'cuda' else 2)
+        except ValueError:
+            raise UsageError(f'--software {text}: {value.strip()!r} is not a version; write e.g. '
+                             f'--software torch=2.9.1,cuda=13.0') from None
+    if 'torch' not in found:
+        raise UsageError(f'--software {text}: names no torch; write e.g. --software torch=2.9.1,cuda=13.0')
+    same_torch = [r for r in RELEASES if r.torch == found['torch']]
+    base = min(same_torch, key=lambda r: _distance(r.cuda, found.get('cuda'))) if same_torch else None
+    return Software(found['torch'], found.get('cuda', base.cuda if base else None),
+                    found.get('cudnn', base.cudnn if base else None))
+
+
+def _distance(a: Optional[Version], b: Optional[Version]) -> int:
+    """How far apart two (major, minor) versions are, majors first (None is the farthest)."""
+    if a is None or b is None:
+        return 0 if a == b else 1 << 20
+    return abs((a[0] * 100 + a[1]) - (b[0] * 100 + b[1]))
+
+
+def modelled_software(software: Software) -> Tuple[Software, str]:
+    """The software whose rules plan `software`, and a note for the plan ('' where the model covers it).
+
+    torch's own rules are those of the covered release of the nearest torch (by minor release). The run's CUDA and
+    cuDNN are kept: the rules that depend on them (the CUDA context, cuDNN's routing) are functions of their own
+    versions; one not known (a build without CUDA, or left out of `--software`) is that release's.
+    """
+    nearest = min(RELEASES, key=lambda r: (_distance(r.torch[:2], software.torch[:2]), r.torch != software.torch,
+                                           _distance(r.cuda, software.cuda), r.torch))
+    modelled = Software(nearest.torch, software.cuda or nearest.cuda, software.cudnn or nearest.cudnn)
+    notes = []
+    if modelled.torch != software.torch:
+        notes.append(f'torch {_dotted(software.torch)} is not covered by the model: planned with the rules of torch '
+                     f'{_dotted(modelled.torch)}')
+    unknown = [f'{name} {_dotted(value)}' for name, value, known in (('CUDA', modelled.cuda, software.cuda),
+                                                                      ('cuDNN', modelled.cudnn, software.cudnn))
+               if known is None]
+    if unknown:
+        notes.append(f"{' and '.join(unknown)} assumed (torch {_dotted(nearest.torch)}'s wheel)")
+    return modelled, '; '.join(notes)
+
+
+def software_flag_problem(text: Optional[str], device: str, estimate: bool) -> Optional[str]:
+    """Why `--software text` cannot be used (one line), or None."""
+    if text is None:
+        return None
+    if not estimate:
+        return ('argument --software: plans for software that is not here and needs --estimate; add --estimate, or '
+                'drop --software to measure the run here')
+    if device.split(':', 1)[0] != 'cuda':
+        return f'argument --software: names CUDA software; drop it, or pass --device cuda to plan for it'
+    try:
+        parse_software(text)
+    except UsageError as e:
+        return f'argument {e}'
+    return None
+
+
+def add_software_argument(group) -> None:
+    """`--software`, for tune_batch.py and validate.py (one definition)."""
+    group.add_argument('--software', default=None, metavar='SPEC',
+                       help="with --estimate: plan for this torch, CUDA and cuDNN instead of the installed ones, "
+                            "e.g. 'torch=2.9.1,cuda=13.0,cudnn=9.13.0' (cuda and cudnn default to that torch's "
+                            "wheel); covered: " + '; '.join(map(str, RELEASES)) + '. Others are planned with the '
+                            "nearest covered release, and the plan says so")
