@@ -48,6 +48,7 @@ from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom, trains_on_steady_heap
 from timm_ext.memory_model.cards import CARDS, card_flag_problem
+from timm_ext.memory_model.versions import add_software_argument, software_flag_problem
 from timm_ext.memory_model.estimate import EstimateError
 from timm_ext.child_process import die_with_parent
 from timm_ext.probe.selection import SELECT_MODES
@@ -92,6 +93,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
                        help='with --estimate: plan for this card (' + ', '.join(CARDS) + '): its memory as CUDA '
                             'reports it less the CUDA context, and its compute capability; --mem-budget then may '
                             'not pass what the card leaves the caching allocator')
+    add_software_argument(group)
     group.add_argument('--mem-headroom', type=float, default=None, metavar='FRAC',
                        help='fraction of the budget the chosen batch leaves free, judged on measured peak memory '
                             '(default: 0.05 on CPU, where peaks are the same in every process; 0.1 on CUDA)')
@@ -154,7 +156,8 @@ def _check_tune_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     problem = snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
     if problem:
         parser.error(problem)
-    problem = card_flag_problem(args.gpu, args.device, args.estimate)
+    problem = card_flag_problem(args.gpu, args.device, args.estimate) \
+        or software_flag_problem(args.software, args.device, args.estimate)
     if problem:
         parser.error(problem)
     if args.nnodes != 1 and not args.estimate:

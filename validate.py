@@ -84,7 +84,7 @@ def plan_from_estimate(args, argv) -> int:
                         f'path')
     kept, skip = [], False
     for token in sys.argv[1:] if argv is None else argv:  # the same command, less the planning flags, at the batch
-        valued = ('--mem-budget', '--gpu', '-b', '--batch-size', '--memory-snapshot')
+        valued = ('--mem-budget', '--gpu', '--software', '-b', '--batch-size', '--memory-snapshot')
         if skip or token in ('--estimate', *valued) or token.startswith(tuple(f'{f}=' for f in valued if f[1] == '-')):
             skip = token in valued
             continue

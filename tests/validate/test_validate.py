@@ -71,7 +71,7 @@ def test_flag_parity_with_stock_validate():
     parser = build_validate_parser()
     ours = {a.dest for a in parser._actions} - {'help'}
     extensions = {a.dest for g in parser._action_groups if g.title == EXTENSIONS_GROUP for a in g._group_actions}
-    assert extensions == {'mem_budget', 'gpu', 'estimate', 'memory_snapshot'}
+    assert extensions == {'mem_budget', 'gpu', 'software', 'estimate', 'memory_snapshot'}
     assert ours - extensions == {e['dest'] for e in spec}  # nothing missing; what is added is in its own group
 
 

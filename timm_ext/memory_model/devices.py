@@ -32,6 +32,7 @@ import torch
 
 from ..memory import BudgetError, MemoryBudget
 from .cards import Card
+from .versions import PINNED, Software
 
 __all__ = ['DeviceModel', 'device_model', 'onednn_runs', 'CPU_RUNTIME_BYTES', 'CPU_COMPILE_BYTES', 'CPU_ESTIMATE_MARGIN',
            'MODELLED_DEVICE_TYPES']
@@ -65,6 +66,8 @@ class DeviceModel:
         fixed: Categories the device adds whatever the batch, name -> bytes.
         uncounted: Categories the budget does not count (CPU: the weights, built before the cap is set).
         card: CUDA: the card planned for (`--gpu`), None when none is named.
+        software: CUDA: the torch, CUDA and cuDNN whose rules plan the run (`timm_ext.memory_model.versions`).
+        software_line: CUDA: the plan's line naming them and what the model substituted ('' off CUDA).
         assumptions: One line on what this model assumes (the report's and the YAML's header).
     """
     name: str
@@ -75,6 +78,8 @@ class DeviceModel:
     uncounted: Tuple[str, ...] = ()
     card: Optional[Card] = None
     assumptions: str = ''
+    software: Software = PINNED
+    software_line: str = ''
 
     def on_device(self, split: Dict[str, float]) -> Dict[str, float]:
         """A traced split with the device's fixed categories added."""
@@ -168,15 +173,16 @@ def onednn_runs(device_type: str) -> bool:
 
 
 def device_model(device_type: str, onednn: bool = False, card: Optional[Card] = None,
-                 compiled: bool = False) -> DeviceModel:
+                 compiled: bool = False, software: Software = PINNED, software_line: str = '') -> DeviceModel:
     """The model for 'cpu' (oneDNN on or off; `compiled`: inductor compiles in the process) or 'cuda' (on `card` when
-    one is named; what the compile keeps is host memory there)."""
+    one is named, with the rules of `software`, `software_line` saying so: `versions.run_software`; what the compile
+    keeps is host memory there)."""
     if device_type == 'cuda':
         planned = (card.assumptions() if card else 'no card named: the budget is what the caching allocator may use '
                    '(no CUDA context taken off), compute capability unknown (the larger cuBLAS workspace)')
         return DeviceModel(
-            'cuda', card=card,
-            assumptions=(f'the step replayed on CUDA\'s caching allocator (PyTorch 2.14\'s rules) with cuBLAS / cuDNN '
+            'cuda', card=card, software=software, software_line=software_line,
+            assumptions=(f'the step replayed on CUDA\'s caching allocator ({software}\'s rules) with cuBLAS / cuDNN '
                          f'workspaces, layer_norm copies and flash attention\'s accumulators, CUDA autocast\'s float32 '
                          f'casts, kernel launch limits; {planned}; not yet measured on a GPU'))
     if device_type not in MODELLED_DEVICE_TYPES:

@@ -41,6 +41,7 @@ from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
 from .skipped_init import SkippedInit
 from .step_facts import FlopCount, weight_storages
+from .versions import run_software
 
 __all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
 
@@ -160,12 +161,22 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
     if device_type == 'cpu':
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
-        return _trace(args, device_model(device_type, onednn, compiled=args.torchcompile == 'inductor'), batches,
-                      step_kind).to_json()
+        return _trace(args, _device(args, device_type, onednn), batches, step_kind).to_json()
     except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
         torch.backends.mkldnn.enabled = mkldnn  # in-process (`in_child`), the caller's setting again
+
+
+def _device(args: argparse.Namespace, device_type: str, onednn: bool) -> DeviceModel:
+    """The device model of the run `args` plans: on CUDA its card (`--gpu`) and its software (`--software`, else
+    the installed torch's: `timm_ext.memory_model.versions.run_software`)."""
+    compiled = args.torchcompile == 'inductor'
+    if device_type != 'cuda':
+        return device_model(device_type, onednn, compiled=compiled)
+    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
+    software, line = run_software(getattr(args, 'software', None))
+    return device_model(device_type, onednn, card, compiled, software, line)
 
 
 def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = False,
@@ -175,7 +186,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Args:
         args: train.py's namespace (after `init_device`, or parsed with rank and world size set); not modified. Its
             `gpu`, where it has one (tune_batch.py's and validate.py's `--gpu`), names the card planned for
-            (`timm_ext.memory_model.cards.find_card`).
+            (`timm_ext.memory_model.cards.find_card`), and its `software` (`--software`) the torch, CUDA and cuDNN.
         device_type: The device to predict for: 'cpu' or 'cuda' (`timm_ext.memory_model.devices.device_model`).
         onednn: CPU: whether oneDNN will run the convolutions.
         batches: The batch sizes traced (at least two).
@@ -185,8 +196,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
-    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
-    device = device_model(device_type, onednn, card, compiled=args.torchcompile == 'inductor')
+    device = _device(args, device_type, onednn)
     estimate = MemoryEstimate.from_json(_traced(args, device_type, onednn, tuple(batches), step_kind), device)
     if estimate.replay is not None and not estimate.replay.aligned:  # each batch the plan asks is traced on its own
         estimate.replay.retrace = functools.partial(_step_log_at, args, device_type, onednn, step_kind)

@@ -70,7 +70,7 @@ class MemoryEstimate:
         environment asks, on the device's card, `run_config`)."""
         replay = None
         if data.get('log'):
-            replay = CudaReplay(data['log'], replay_config or run_config(device.compute_capability))
+            replay = CudaReplay(data['log'], replay_config or run_config(device.compute_capability, device.software))
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
                    data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0),

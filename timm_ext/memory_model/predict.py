@@ -13,6 +13,7 @@ from .allocator import Block, CachingAllocator
 from .allocator_config import allocator_config
 from .events import ScaledLog
 from .live_bytes import CATEGORIES
+from .versions import PINNED, Software
 
 # what a replayed block is filed under: the trace's categories of tensors, and the kernels' own workspaces (the
 # CPU model's allocator and library categories never reach a CUDA replay)
@@ -21,10 +22,13 @@ STEP_CATEGORIES = tuple(name for name in CATEGORIES if name not in ('allocator',
 __all__ = ['CudaReplay', 'run_config', 'trace_logs']
 
 
-def run_config(compute_capability: Optional[Tuple[int, int]] = None) -> replays.ReplayConfig:
+def run_config(compute_capability: Optional[Tuple[int, int]] = None,
+               software: Software = PINNED) -> replays.ReplayConfig:
     """How the user's run replays: the allocator options as the environment sets them
-    (`timm_ext.memory_model.allocator_config.allocator_config`), on a card of `compute_capability` (None: not known)."""
-    return replays.ReplayConfig(allocator=allocator_config(), compute_capability=compute_capability)
+    (`timm_ext.memory_model.allocator_config.allocator_config`), on a card of `compute_capability` (None: not known),
+    with the rules of `software`."""
+    return replays.ReplayConfig(allocator=allocator_config(), compute_capability=compute_capability,
+                                software=software)
 
 
 @dataclass

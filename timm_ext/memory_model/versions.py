@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 from ..errors import UsageError
 
 __all__ = ['Software', 'RELEASES', 'PINNED', 'installed_software', 'parse_software', 'modelled_software',
-           'software_flag_problem', 'add_software_argument']
+           'run_software', 'software_flag_problem', 'add_software_argument']
 
 Version = Tuple[int, ...]
 
@@ -57,7 +57,8 @@ class Software:
     cudnn: Optional[Tuple[int, int, int]]
 
     def __str__(self) -> str:
-        return f'torch {_dotted(self.torch)}, CUDA {_dotted(self.cuda)}, cuDNN {_dotted(self.cudnn)}'
+        named = (('torch', self.torch), ('CUDA', self.cuda), ('cuDNN', self.cudnn))
+        return ', '.join(f'{name} {_dotted(version)}' for name, version in named if version)
 
     @property
     def cudnn_number(self) -> int:
@@ -150,6 +151,16 @@ def modelled_software(software: Software) -> Tuple[Software, str]:
     if unknown:
         notes.append(f"{' and '.join(unknown)} assumed (torch {_dotted(nearest.torch)}'s wheel)")
     return modelled, '; '.join(notes)
+
+
+def run_software(spec: Optional[str]) -> Tuple[Software, str]:
+    """The software a CUDA plan models, and the plan's line on it: `--software`'s `spec` where given, else the
+    installed torch's (`modelled_software` picks the covered release and notes what it substituted)."""
+    asked = parse_software(spec) if spec else installed_software()
+    modelled, note = modelled_software(asked)
+    origin = 'named by --software' if spec else 'installed here'
+    detail = f'{origin}; the model covers it' if not note else f'{origin}: {asked}; {note}'
+    return modelled, f'Software modelled: {modelled} ({detail}).'
 
 
 def software_flag_problem(text: Optional[str], device: str, estimate: bool) -> Optional[str]:

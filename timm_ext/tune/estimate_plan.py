@@ -148,6 +148,7 @@ def estimate_report(estimate: MemoryEstimate, plans: List[EstimatedPlan], headro
              f'for {estimate.device.name}, {ranks}, headroom {headroom:.0%}.',
              f'Assumed: {estimate.device.assumptions}'
              + (f'; {NCCL_ASSUMPTION}.' if nodes * nproc > 1 and estimate.device.name == 'cuda' else '.'),
+             *filter(None, [estimate.device.software_line]),
              *_budget_lines(estimate, plans), '',
              'Predicted peak per micro-batch:',
              *estimate.table(sizes, first.usable), '', 'What fits where:',

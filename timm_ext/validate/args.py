@@ -18,6 +18,7 @@ from ..arg_checks import (
 )
 from ..memory_model.cards import CARDS, card_flag_problem
 from ..memory_model.snapshot import add_snapshot_argument, snapshot_flag_problem
+from ..memory_model.versions import add_software_argument, software_flag_problem
 from ..memory import BudgetError, parse_budget
 from ..train.args import EXTENSIONS_GROUP
 from ..train.setup import compile_flags_problem
@@ -176,6 +177,7 @@ def _add_extension_args(p: argparse.ArgumentParser) -> None:
     group.add_argument('--gpu', default=None, metavar='NAME',
                        help='with --estimate: plan for this card (' + ', '.join(CARDS) + '): its memory as CUDA '
                             'reports it less the CUDA context, and its compute capability')
+    add_software_argument(group)
     group.add_argument('--estimate', action='store_true', default=False,
                        help='plan only: print the largest batch the memory estimate predicts within --mem-budget '
                             'and the command to run; needs no data, weights or device (--device cuda on any machine)')
@@ -211,6 +213,7 @@ def check_validate_args(args: argparse.Namespace, flags: Optional[Mapping[str, s
             return f'argument --mem-budget: {e}'
     problem = (snapshot_flag_problem(args.memory_snapshot, args.estimate, args.device)
                or card_flag_problem(args.gpu, args.device, args.estimate)
+               or software_flag_problem(args.software, args.device, args.estimate)
                or compile_flags_problem(args.torchcompile, args.torchcompile_mode,
                                         'cuda' if str(args.device).startswith('cuda') else 'cpu'))
     if problem:

@@ -54,6 +54,7 @@ class EvalBatchEstimate:
         return [f'Estimate (no real forward ran): {self.estimate.describe}, traced on fake tensors in '
                 f'{self.estimate.seconds:.1f} s; for {self.estimate.device.name}.',
                 f'Assumed: {self.estimate.device.assumptions}.',
+                *filter(None, [self.estimate.device.software_line]),
                 f'Budget {budget_text}{read}: {format_bytes(self.usable)} to plan in; headroom {EVAL_HEADROOM:.0%}: '
                 f'the largest '
                 f'batch predicted is {self.batch_size} '
@@ -80,6 +81,7 @@ def _estimate_args(args: argparse.Namespace, model_name: str) -> argparse.Namesp
     train_args, _ = parse_train_args(argv)
     train_args.model_kwargs = dict(args.model_kwargs)
     train_args.gpu = getattr(args, 'gpu', None)  # the card planned for (`estimate_memory` reads it)
+    train_args.software = getattr(args, 'software', None)  # and the software
     train_args.distributed, train_args.world_size, train_args.rank, train_args.local_rank = False, 1, 0, 0
     return train_args
 
