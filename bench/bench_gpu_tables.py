@@ -9,13 +9,14 @@ out-of-memory steps down `timm.utils.decay_batch_step` (512, 384, 256, 192, ...)
 says: this rung fits the card and the next rung up did not. The estimate hits when its largest batch on that card
 lies in [rung, next rung). A row at the start is a lower bound only (reported apart: the estimate should reach it).
 
-Each table's software is modelled as timm ran it:
-* train, RTX 3090 (torch 1.12, CUDA 11.3): AMP float16, SGD (momentum 0.9, nesterov), CrossEntropyLoss;
-  `zero_grad()` kept the gradients allocated (torch 1.12's default), so every update runs with them resident; timm's
-  ViTs had no fused attention then; CUDA 11.3 loads every kernel module at start (no lazy loading), so the context
-  outside the allocator is larger (`timm_ext.memory_model.cards.CONTEXTS`, 'cuda11 eager loading').
-* infer, RTX 5090 and RTX Pro 6000 Max-Q (torch 2.9.1, CUDA 13.0): AMP float16, `inference_mode`, a forward with the
-  weights alone resident (validate.py's estimate), fused attention, the context of today's lazy loading.
+Each table is replayed with its own software (`Table.software`, one of `timm_ext.memory_model.versions.RELEASES`,
+as `--software` plans it): every versioned rule of the model (kernel routing and limits, attention backends,
+workspaces, allocator options, autocast lists, the CUDA context) is that release's. What the benchmark itself did:
+* train, RTX 3090 (torch 1.12.1, CUDA 11.3, cuDNN 8.3.2): AMP float16, SGD (momentum 0.9, nesterov),
+  CrossEntropyLoss; `zero_grad()` kept the gradients allocated (torch 1.12's default), so every update runs with them
+  resident; torch 1.12 had no scaled_dot_product_attention, so timm's attention ran unfused.
+* infer, RTX 5090 and RTX Pro 6000 Max-Q (torch 2.9.1, CUDA 13.0, cuDNN 9.13.0): AMP float16, `inference_mode`, a
+  forward with the weights alone resident (validate.py's estimate), fused attention.
 * compiled (timm's `*-dynamo.csv`: the same forward under `torch.compile`, inductor): estimated with `--torchcompile`,
   which traces the compiled graphs as inductor runs them (`timm_ext.memory_model.compiled_step`); the Pro 6000's
   bfloat16-autocast table with `--amp-dtype bfloat16`. The RTX 5090 and RTX Pro 6000 tables may calibrate the model
@@ -23,9 +24,12 @@ Each table's software is modelled as timm ran it:
 
 The cards are tune_batch.py's named cards (`timm_ext.memory_model.cards`: rtx3090, rtx4090, rtx5090,
 rtx-pro-6000-max-q): their memory as CUDA reports it and their compute capability, each with its source. Traces are
-cached in bench/results/ by software, model and size (`Table.trace_key`: the tables of one software on several cards
-share them); `--fresh` traces again, `--shard 0/2` and `--shard 1/2` in two processes trace half each. Nothing is
-fitted here: the report says how each constant of the CUDA model was set.
+cached in bench/results/ by step, torch release, model and size (`Table.trace_key`: the tables of one torch on
+several cards share them); `--fresh` traces again, `--shard 0/2` and `--shard 1/2` in two processes trace half each.
+Nothing is fitted here. The cuDNN convolution workspace is a stated assumption (the input's bytes), so each table is
+also scored with half and with twice it (`WORKSPACE_SCALES`). `--write-headroom` measures the default headroom of
+tune_batch.py's and validate.py's CUDA plans from the calibration tables and writes it where the plans read it
+(`timm_ext.memory_model.headroom`).
 """
 import argparse
 import csv
@@ -41,7 +45,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
-from timm_ext.memory_model.cards import CARDS, CONTEXTS  # noqa: E402
+from timm_ext.memory_model.cards import CARDS  # noqa: E402
+from timm_ext.memory_model.versions import Software, parse_software  # noqa: E402
 
 DATA = os.path.join(ROOT, 'bench', 'gpu_tables.csv')
 CACHE_DIR = os.path.join(ROOT, 'bench', 'results')
@@ -57,6 +62,7 @@ class Table:
         start: The batch `benchmark.py` started at (a row there is a lower bound only).
         card: The card as the report names it.
         card_name: Its name in `timm_ext.memory_model.cards`.
+        software: The torch, CUDA and cuDNN it ran (`timm_ext.memory_model.versions.RELEASES`).
         compiled: A dynamo table: the model ran under `torch.compile` (inductor); estimated with `--torchcompile`.
         amp_dtype: The autocast dtype.
         calibrates: The issue lets the model be calibrated on it (False: the table only judges).
@@ -65,6 +71,7 @@ class Table:
     start: int
     card: str
     card_name: str
+    software: Software
     compiled: bool = False
     amp_dtype: str = 'float16'
     calibrates: bool = True
@@ -82,29 +89,44 @@ class Table:
     def compute_capability(self) -> Tuple[int, int]:
         return CARDS[self.card_name].compute_capability
 
+    @property
+    def software_spec(self) -> str:
+        """The table's software as `--software` names it."""
+        torch, cuda, cudnn = ('.'.join(map(str, v)) for v in (self.software.torch, self.software.cuda,
+                                                               self.software.cudnn))
+        return f'torch={torch},cuda={cuda},cudnn={cudnn}'
+
     def trace_key(self, model: str, img_size: int) -> str:
-        """The cache's key: tables that ran the same software on different cards share a trace."""
-        software = self.kind + ('+compile' if self.compiled else '') + \
+        """The cache's key: the step and the torch release decide the trace (its autocast lists and whether
+        attention is fused), so tables of one torch on several cards share it."""
+        step = self.kind + ('+compile' if self.compiled else '') + \
             (f'+{self.amp_dtype}' if self.amp_dtype != 'float16' else '')
-        return f'{software}:{model}:{img_size}'
+        return f"{step}@{'.'.join(map(str, self.software.torch))}:{model}:{img_size}"
 
 
 _5090, _PRO6000 = 'RTX 5090 32 GB', 'RTX Pro 6000 Max-Q 96 GB'
+# the software in each table's file name (pt112-cu113, pt291-cu130, pt291-cu128), with the cuDNN those wheels shipped
+PT112_CU113 = parse_software('torch=1.12.1,cuda=11.3')
+PT291_CU130 = parse_software('torch=2.9.1,cuda=13.0')
+PT291_CU128 = parse_software('torch=2.9.1,cuda=12.8')
 TABLES = {  # source file -> the table
-    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': Table('train', 512, 'RTX 3090 24 GB', 'rtx3090'),
-    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': Table('infer', 1024, _5090, 'rtx5090'),
-    'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': Table('infer', 2048, _PRO6000, 'rtx-pro-6000-max-q'),
-    'benchmark-infer-amp-nchw-pt291-cu130-5090-dynamo.csv': Table('infer', 1024, _5090, 'rtx5090', compiled=True),
+    'benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv': Table('train', 512, 'RTX 3090 24 GB', 'rtx3090',
+                                                              PT112_CU113),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090.csv': Table('infer', 1024, _5090, 'rtx5090', PT291_CU130),
+    'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq.csv': Table('infer', 2048, _PRO6000, 'rtx-pro-6000-max-q',
+                                                                  PT291_CU130),
+    'benchmark-infer-amp-nchw-pt291-cu130-5090-dynamo.csv': Table('infer', 1024, _5090, 'rtx5090', PT291_CU130,
+                                                                  compiled=True),
     'benchmark-infer-amp-nchw-pt291-cu130-pro6000maxq-dynamo.csv': Table('infer', 2048, _PRO6000,
-                                                                         'rtx-pro-6000-max-q', compiled=True),
+                                                                         'rtx-pro-6000-max-q', PT291_CU130,
+                                                                         compiled=True),
     'benchmark-infer-amp_bf16-nchw-pt291-cu130-pro6000maxq-dynamo.csv': Table(
-        'infer', 2048, _PRO6000, 'rtx-pro-6000-max-q', compiled=True, amp_dtype='bfloat16'),
-    # the issue's judge: nothing is calibrated on it (CUDA 12.8: the same lazy-loading context)
+        'infer', 2048, _PRO6000, 'rtx-pro-6000-max-q', PT291_CU130, compiled=True, amp_dtype='bfloat16'),
+    # the issue's judge: nothing is calibrated on it
     'benchmark-infer-amp-nchw-pt291-cu128-4090-dynamo.csv': Table('infer', 1024, 'RTX 4090 24 GB', 'rtx4090',
-                                                                  compiled=True, calibrates=False),
+                                                                  PT291_CU128, compiled=True, calibrates=False),
 }
-CONTEXT_BYTES = {'train': CONTEXTS['cuda11 eager loading'].nbytes,  # CUDA 11.3: every module loaded at start
-                 'infer': CONTEXTS['cuda12 lazy loading'].nbytes}  # CUDA 12.8 and 13.0: lazy loading
+WORKSPACE_SCALES = (0.5, 2.0)  # the cuDNN convolution workspace's weight: each table scored with it halved and doubled
 TRAIN_FLAGS = ('--amp', '--opt', 'sgd', '--momentum', '0.9', '--lr', '1e-4', '--smoothing', '0', '--no-prefetcher')
 INFER_FLAGS = ('--amp', '--no-prefetcher')
 ROWS_PER_FAMILY = {'train': 1, 'infer': 2}  # training traces cost four updates each
@@ -158,7 +180,7 @@ def select_rows(repo: str, groups: Sequence[str]) -> List[dict]:
     every decayed row of the atlas's models (`bench_atlas.MODELS`), and a few rows at the start value; the compiled
     tables' rows as `select_compiled_rows` picks them."""
     import timm
-    from bench_atlas import MODELS as ATLAS_MODELS
+    from atlas_models import MODELS as ATLAS_MODELS
     known = set(timm.list_models())
     chosen = []
     for source, table in TABLES.items():
@@ -229,19 +251,19 @@ def read_cache() -> Dict[str, dict]:
 
 
 def trace(key: str) -> dict:
-    """One estimate as the table's software ran it (the software and the row named by `Table.trace_key`'s key); a
-    dict for the cache."""
-    import timm.layers
+    """One estimate as the table's software ran it (the step, torch release and row named by `Table.trace_key`'s
+    key); a dict for the cache."""
     from timm_ext.memory_model.estimate import EstimateError, estimate_memory
     from timm_ext.train.args import parse_args
-    software, model, img_size = key.split(':')
-    kind, *options = software.split('+')
+    step, model, img_size = key.split(':')
+    step, torch_release = step.split('@')
+    kind, *options = step.split('+')
     flags = [*(TRAIN_FLAGS if kind == 'train' else INFER_FLAGS), *(['--torchcompile'] if 'compile' in options else []),
              *(['--amp-dtype', 'bfloat16'] if 'bfloat16' in options else [])]
     args, _ = parse_args(['--model', model, '--img-size', img_size, '--device', 'cuda', '--num-classes', '1000',
                           *flags])
     args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
-    timm.layers.set_fused_attn(kind != 'train')  # the traced child builds the model with this setting
+    args.software = f'torch={torch_release}'  # the trace follows that release (its autocast lists, its attention)
     try:
         e = estimate_memory(args, 'cuda', step_kind='train' if kind == 'train' else 'validate')
     except EstimateError as error:
@@ -249,13 +271,16 @@ def trace(key: str) -> dict:
     return e.to_json()
 
 
-def to_estimate(entry: dict, table: Table):
-    """A cached trace as the estimate for its table's software and card (see the module doc)."""
+def to_estimate(entry: dict, table: Table, workspace_scale: float = 1.0):
+    """A cached trace as the estimate for its table's software and card (see the module doc), the cuDNN convolution
+    workspace scaled by `workspace_scale`."""
     from timm_ext.memory_model.replay import ReplayConfig
     from timm_ext.memory_model.devices import device_model
     from timm_ext.memory_model.estimate import MemoryEstimate
-    config = ReplayConfig(compute_capability=table.compute_capability)
-    return MemoryEstimate.from_json(entry, device_model('cuda'), config)
+    config = ReplayConfig(compute_capability=table.compute_capability, software=table.software,
+                          cudnn_workspace_scale=workspace_scale)
+    return MemoryEstimate.from_json(entry, device_model('cuda', card=CARDS[table.card_name], software=table.software),
+                                    config)
 
 
 def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
@@ -263,18 +288,30 @@ def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
     return largest(to_estimate(entry, TABLES[source]), TABLES[source], headroom)
 
 
+def usable_bytes(table: Table) -> int:
+    """What the caching allocator had on the table's card: its memory less the CUDA context of its software."""
+    return CARDS[table.card_name].allocator_bytes
+
+
 def largest(estimate, table: Table, headroom: float = 0.0) -> int:
     # the training benchmark's zero_grad() keeps the gradients: every update starts with them resident
-    usable = table.reported_bytes - CONTEXT_BYTES[table.kind]  # what the allocator had: the card less the context
-    return estimate.largest_batch(usable * (1 - headroom), accumulating=table.kind == 'train')
+    return estimate.largest_batch(usable_bytes(table) * (1 - headroom), accumulating=table.kind == 'train')
 
 
 def plan_headroom(kind: str) -> float:
-    """The default headroom of the plan a user of that table would run: validate.py's for inference, tune_batch.py's
-    for training."""
-    from timm_ext.memory import default_headroom
-    from timm_ext.validate.batch_estimate import EVAL_HEADROOM
-    return EVAL_HEADROOM if kind == 'infer' else default_headroom('cuda')
+    """The default headroom of the CUDA plan a user of that table would run: validate.py's for inference,
+    tune_batch.py's for training (`timm_ext.memory_model.headroom`)."""
+    from timm_ext.memory_model.headroom import estimate_headroom
+    return estimate_headroom('validate' if kind == 'infer' else 'train').fraction
+
+
+def headroom_needed(estimate, row: dict, table: Table) -> float:
+    """The least headroom at which the plan for a decayed row stays below the rung that ran out of memory (0 where
+    the model already does, or a kernel limit stops it)."""
+    limit = estimate.launch_limit[0]
+    if limit is not None and limit < row['next_rung']:
+        return 0.0
+    return max(0.0, 1.0 - estimate.peak(row['next_rung'], accumulating=table.kind == 'train') / usable_bytes(table))
 
 
 def miss_reason(estimate, batch: int, accumulating: bool) -> str:
@@ -288,17 +325,40 @@ def miss_reason(estimate, batch: int, accumulating: bool) -> str:
     return f"allocator and kernels {split.get('segments', 0) / total:.0%} of the peak"
 
 
-def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, dict]) -> List[str]:
-    """One table's section: its decayed rows within the rung, the default plan above it, the misses, the bounds."""
-    headroom = plan_headroom(table.kind)
-    judged, failed = [], []  # (row, estimate, predicted batch) of every traced row
+def judge(table: Table, rows: List[dict], cache: Dict[str, dict],
+          workspace_scale: float = 1.0) -> Tuple[List[tuple], List[str]]:
+    """(row, estimate, predicted batch) of every traced row of a table, and the decayed rows not traced."""
+    judged, failed = [], []
     for r in rows:
         entry = cache.get(table.trace_key(r['model'], r['img_size']))
         if entry is None or 'error' in entry:
             failed += [r['model']] if r['next_rung'] else []
             continue
-        estimate = to_estimate(entry, table)
+        estimate = to_estimate(entry, table, workspace_scale)
         judged.append((r, estimate, largest(estimate, table)))
+    return judged, failed
+
+
+def within_rung(judged: List[tuple]) -> Tuple[int, int]:
+    """(decayed rows whose prediction lies in their rung, decayed rows)."""
+    decayed = [(r, b) for r, _, b in judged if r['next_rung']]
+    return sum(r['batch'] <= b < r['next_rung'] for r, b in decayed), len(decayed)
+
+
+def workspace_lines(table: Table, rows: List[dict], cache: Dict[str, dict]) -> List[str]:
+    """What the table scores with the cuDNN convolution workspace (a stated assumption) halved and doubled."""
+    scores = []
+    for scale in WORKSPACE_SCALES:
+        hits, n = within_rung(judge(table, rows, cache, scale)[0])
+        scores.append(f'x{scale:g}: {hits} of {n} ({hits / max(1, n):.0%})')
+    return [f"The cuDNN convolution workspace (assumed: the convolution's input) scaled: within the rung "
+            f"{'; '.join(scores)}.", '']
+
+
+def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, dict]) -> List[str]:
+    """One table's section: its decayed rows within the rung, the default plan above it, the misses, the bounds."""
+    headroom = plan_headroom(table.kind)
+    judged, failed = judge(table, rows, cache)
     decayed = [(r, e, b) for r, e, b in judged if r['next_rung']]
     over = [f"{r['model']}@{r['img_size']}" for r, e, _ in decayed if largest(e, table, headroom) >= r['next_rung']]
     hits, misses = 0, defaultdict(list)
@@ -314,7 +374,7 @@ def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, d
     tool = 'validate.py' if table.kind == 'infer' else 'tune_batch.py'
     software = ('torch.compile' if table.compiled else 'eager') + f', {table.amp_dtype} autocast'
     role = 'calibration' if table.calibrates else 'judge only (nothing calibrated on it)'
-    lines = [f'## {table.card}, {software}: {source}', '', f'Role: {role}.', '',
+    lines = [f'## {table.card}, {software}: {source}', '', f'Role: {role}. Replayed with {table.software}.', '',
              f'Decayed rows: {n + len(failed)} across {families} families; estimated {n}; within the rung '
              f'{hits} of {n} ({hits / max(1, n):.0%}).', '',
              f"{tool}'s plan at its default headroom ({headroom:.0%}) above the rung (an out-of-memory or a failed "
@@ -327,7 +387,7 @@ def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, d
         lines.append('')
     if failed:
         lines += [f'Not traced ({len(failed)}): {", ".join(failed)}.', '']
-    lines += cap_lines(judged) if table.compiled else []
+    lines += cap_lines(judged) if table.compiled else workspace_lines(table, rows, cache)
     low = [(r, b) for r, _, b in judged if not r['next_rung']]
     reached = sum(b >= r['batch'] for r, b in low)
     return lines + [f'Lower bounds (rows at the start value {table.start}): the estimate reaches {reached} of '
@@ -354,6 +414,43 @@ def cap_lines(judged: List[tuple]) -> List[str]:
             f'the batch the table ran' + (f": {', '.join(wrong)}." if wrong else '.'), '']
 
 
+def measure_headroom(rows: List[dict], cache: Dict[str, dict]) -> dict:
+    """The default headroom of each step's CUDA plan: per calibration table (eager), the least headroom that keeps
+    `QUANTILE` of its decayed rows' plans below the rung that failed (`headroom_needed`); the largest over the tables
+    of the step (tune_batch.py's 'train': the training table; validate.py's 'validate': the inference tables)."""
+    from timm_ext.memory_model.headroom import QUANTILE
+    measured = {}
+    for step, kind in (('train', 'train'), ('validate', 'infer')):
+        tables, fractions = [], []
+        for source, table in TABLES.items():
+            if table.kind != kind or table.compiled or not table.calibrates:
+                continue
+            judged, _ = judge(table, [r for r in rows if r['source'] == source and r['next_rung']], cache)
+            needs = sorted(headroom_needed(e, r, table) for r, e, _ in judged)
+            if not needs:
+                continue
+            at = needs[min(len(needs) - 1, int(QUANTILE * len(needs)))]
+            fractions.append(at)
+            tables.append(dict(name=f'{table.card} ({source})', rows=len(needs), fraction=round(at, 4)))
+        if fractions:
+            fraction = -(-max(fractions) * 200 // 1) / 200  # up to the next half percent
+            measured[step] = dict(fraction=fraction, quantile=QUANTILE, tables=tables,
+                                  measured_by='bench/bench_gpu_tables.py --write-headroom')
+    return measured
+
+
+def write_headroom(measured: dict) -> None:
+    """Each step measured here replaces its entry of the headroom file (the others are kept)."""
+    from timm_ext.memory_model import headroom
+    with open(headroom.HEADROOM_FILE) as f:
+        measured = {**json.load(f), **measured}
+    with open(headroom.HEADROOM_FILE + '.tmp', 'w') as f:
+        json.dump(measured, f, indent=1)
+        f.write('\n')
+    os.replace(headroom.HEADROOM_FILE + '.tmp', headroom.HEADROOM_FILE)
+    headroom._measured.cache_clear()
+
+
 def report(rows: List[dict], cache: Dict[str, dict], seconds: float) -> List[str]:
     lines = []
     for source, table in TABLES.items():
@@ -378,6 +475,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "a timm checkout, then stop")
     parser.add_argument('--shard', default='0/1', metavar='I/N', help='trace only every N-th trace from the I-th')
     parser.add_argument('--output', default=os.path.join(ROOT, 'bench', 'results', 'gpu_tables.md'))
+    parser.add_argument('--write-headroom', action='store_true',
+                        help="measure the default headroom of the CUDA plans on the calibration tables and write it "
+                             "to timm_ext/memory_model/headroom.json (needs the train and infer tables traced)")
     args = parser.parse_args(argv)
     groups = (args.table,) if args.table else ('train', 'infer', 'compiled')
     if args.select_rows:
@@ -403,6 +503,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(mine, f)
         os.replace(own + '.tmp', own)
     cache = read_cache()
+    if args.write_headroom:
+        measured = measure_headroom(rows, cache)
+        write_headroom(measured)
+        print(f'headroom written: ' + ', '.join(f"{step} {m['fraction']:.1%}" for step, m in measured.items()))
     lines = report(rows, cache, time.perf_counter() - started)
     with open(args.output, 'w') as f:
         f.write('\n'.join(lines) + '\n')

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple, Type
 
 from .allocator import ROUND_LARGE, Block, CachingAllocator, OutOfMemory
 from .allocator_config import AllocatorConfig
+from .cache_release import cache_info
 from .kernels import cuda_allocations
 from .versions import PINNED, Software
 
@@ -35,6 +36,11 @@ class ReplayConfig:
         accumulating: Gradients resident from the start (gradient accumulation; or zero_grad() that keeps them).
         compute_capability: The card's, when known.
         software: The torch, CUDA and cuDNN whose rules the kernels follow (`timm_ext.memory_model.versions`).
+        cudnn_workspace_scale: The cuDNN convolution workspace a plan asks, as a multiple of the kernel model's (a
+            stated assumption: `bench/bench_gpu_tables.py` scores the tables with it halved and doubled).
+        device_bytes: Under a memory-fraction cap, what the card leaves the allocator without it (the card less what
+            lies outside the allocator): cuDNN's search reads the device's free memory, which the cap does not lower
+            (`timm_ext.memory_model.cache_release.cache_info`). None: the capacity replayed is the whole device's.
     """
     iterations: int = 3
     cudnn_benchmark: bool = True
@@ -42,6 +48,8 @@ class ReplayConfig:
     accumulating: bool = False
     compute_capability: Optional[Tuple[int, int]] = None
     software: Software = PINNED
+    cudnn_workspace_scale: float = 1.0
+    device_bytes: Optional[int] = None
 
 
 def _try_malloc(allocator: CachingAllocator, nbytes: int, tag: tuple) -> Optional[Block]:
@@ -54,14 +62,15 @@ def _try_malloc(allocator: CachingAllocator, nbytes: int, tag: tuple) -> Optiona
 
 def _search(allocator: CachingAllocator, nbytes: int, tag: tuple) -> int:
     """cuDNN's benchmark search (Conv_v8.cpp `generate_and_filter_plans`): the plans kept are those whose workspace
-    fits `get_available_workspace`, the allocator's `cacheInfo` from 0 (the device's free memory, or the largest
-    cached free block where larger), so the search may open a segment; the largest kept workspace is allocated, halved
-    on each out-of-memory down to 0, and freed when the search ends. Returns the workspace the chosen plan runs with.
+    fits `get_available_workspace`, the allocator's `cacheInfo` from 0 (cudaMemGetInfo's free memory, which a fraction
+    cap does not lower, or the largest cached free block where larger: `cache_info`), so the search may open a segment
+    or start above the cap; the largest kept workspace is allocated, halved on each out-of-memory down to 0, and freed
+    when the search ends. Returns the workspace the chosen plan runs with.
 
     Assumption (no source: the kernel model gives one workspace per convolution, the largest plan's): plans exist at
     every workspace below it, and the fastest kept plan uses the largest kept workspace.
     """
-    size = min(nbytes, allocator.cache_info())
+    size = min(nbytes, cache_info(allocator.pools.values(), allocator.device_bytes - allocator.reserved))
     while size:
         block = _try_malloc(allocator, size, tag)
         if block is not None:
@@ -112,7 +121,7 @@ def _run_op(allocator: CachingAllocator, event: list, names: list, kept: dict, p
             if kept.get(('saved', key)):
                 allocator.free(kept[('saved', key)].pop())
         else:
-            block = _cudnn_workspace(allocator, nbytes, tag, plans, config)
+            block = _cudnn_workspace(allocator, int(nbytes * config.cudnn_workspace_scale), tag, plans, config)
             transient += [block] if block is not None else []
     for block in transient:
         allocator.free(block)
@@ -127,7 +136,7 @@ def replay(log: dict, capacity: int, config: ReplayConfig = ReplayConfig(), reco
         OutOfMemory: Where the card ran out.
     """
     names = log['names']
-    allocator = allocator_type(capacity, config.allocator, record)
+    allocator = allocator_type(capacity, config.allocator, record, device_bytes=config.device_bytes)
     for nbytes, category, op, where in log['residents']:
         allocator.malloc(nbytes, (names[category], names[op], names[where]))
     gradients = names.index('gradients') if 'gradients' in names else -1

@@ -26,6 +26,7 @@ from ..memory_model.cards import find_card
 from ..memory_model.nccl import NCCL_ASSUMPTION, nccl_buffer_bytes
 from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
 from ..memory_model.estimate import EstimateError, MemoryEstimate
+from ..memory_model.headroom import estimate_headroom
 from ..memory_model.trace_pool import estimate_each
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
@@ -258,7 +259,11 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
     for text, budget in budgets:  # one that cannot be read here, or that the card cannot give, fails before the trace
         device_model(device_type, card=card).plan_in(budget, text if args.mem_budget else '')
-    if args.mem_headroom is None:
+    headroom_origin = ''
+    if args.mem_headroom is None and device_type == 'cuda':  # the model's measured error on timm's GPU tables
+        measured = estimate_headroom('train')
+        args.mem_headroom, headroom_origin = measured.fraction, f'Headroom {measured.fraction:.1%}: {measured.origin}.'
+    elif args.mem_headroom is None:
         args.mem_headroom = default_headroom(torch.device(device_type))
     run_args = argparse.Namespace(**{**vars(args), 'distributed': world_size > 1, 'world_size': world_size,
                                      'rank': 0, 'local_rank': 0})
@@ -276,6 +281,7 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     recipe_global, _ = recipe_global_batch(args, given, world_size)
     plans = plan_from_estimate(run_args, device_type, estimate, budgets, world_size, recipe_global, eval_estimate)
     lines = estimate_report(estimate, plans, args.mem_headroom, args.nnodes, args.nproc, eval_estimate)
+    lines[1:1] = [headroom_origin] if headroom_origin else []
     chosen, savers = plans[0].plan, []
     if getattr(args, 'savers', False) or chosen is None or chosen.accum_steps > 1:  # the table where it can help
         savers = price_savers(run_args, device_type, onednn, estimate,

@@ -20,11 +20,14 @@ from ..memory import MemoryBudget, format_bytes, parse_budget
 from ..memory_model.cards import find_card
 from ..memory_model.devices import device_model, onednn_runs
 from ..memory_model.estimate import MemoryEstimate, estimate_memory
+from ..memory_model.headroom import Headroom, estimate_headroom
 from ..train.args import parse_args as parse_train_args
 
 __all__ = ['EVAL_HEADROOM', 'EvalBatchEstimate', 'estimate_eval_batch', 'start_batch']
 
-EVAL_HEADROOM = 0.05  # the pass steps down on an OOM from where it stopped: a small margin is enough
+# off CUDA: the pass steps down on an OOM from where it stopped, so a small margin is enough; a CUDA plan's headroom
+# is the model's measured error on timm's GPU tables (`timm_ext.memory_model.headroom`)
+EVAL_HEADROOM = 0.05
 TRACE_BATCHES = (32, 64, 128)
 
 
@@ -37,11 +40,13 @@ class EvalBatchEstimate:
         budget: The bytes the budget names (a named card's memory as CUDA reports it, or a size as given).
         usable: What the caching allocator may use of it.
         estimate: The traced estimate behind it.
+        headroom: The share of `usable` left free, and where that figure came from ('' off CUDA: `EVAL_HEADROOM`).
     """
     batch_size: int
     budget: int
     usable: int
     estimate: MemoryEstimate
+    headroom: Headroom = Headroom(EVAL_HEADROOM, '')
 
     def lines(self, budget_text: str) -> List[str]:
         card = self.estimate.device.card
@@ -55,9 +60,9 @@ class EvalBatchEstimate:
                 f'{self.estimate.seconds:.1f} s; for {self.estimate.device.name}.',
                 f'Assumed: {self.estimate.device.assumptions}.',
                 *filter(None, [self.estimate.device.software_line]),
-                f'Budget {budget_text}{read}: {format_bytes(self.usable)} to plan in; headroom {EVAL_HEADROOM:.0%}: '
-                f'the largest '
-                f'batch predicted is {self.batch_size} '
+                *([f'Headroom {self.headroom.fraction:.1%}: {self.headroom.origin}.'] if self.headroom.origin else []),
+                f'Budget {budget_text}{read}: {format_bytes(self.usable)} to plan in; headroom '
+                f'{self.headroom.fraction:.1%}: the largest batch predicted is {self.batch_size} '
                 f'({format_bytes(self.estimate.peak(max(1, self.batch_size)))} at its peak).',
                 *self.estimate.notes]
 
@@ -103,8 +108,9 @@ def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: 
                                                                       budget_text or '')
     estimate = estimate_memory(_estimate_args(args, model_name), device_type, onednn_runs(device_type),
                                TRACE_BATCHES, step_kind='validate')
-    largest = estimate.largest_batch(usable * (1 - EVAL_HEADROOM))
-    return EvalBatchEstimate(largest, num_bytes, usable, estimate)
+    headroom = estimate_headroom('validate') if device_type == 'cuda' else Headroom(EVAL_HEADROOM, '')
+    largest = estimate.largest_batch(usable * (1 - headroom.fraction))
+    return EvalBatchEstimate(largest, num_bytes, usable, estimate, headroom)
 
 
 def start_batch(asked: int, predicted: int) -> int:
