@@ -178,3 +178,15 @@ def test_garbage_collection_releases_the_oldest_free_segments_under_a_memory_fra
     _aged_segments(uncapped)
     uncapped.malloc(60 * MiB)
     assert uncapped.reserved == 190 * MiB
+
+
+def test_cache_info_is_the_devices_free_memory_or_the_largest_cached_free_block():
+    """CUDACachingAllocator.cpp `DeviceCachingAllocator::cacheInfo` from 0: cudaMemGetInfo's free memory, raised to the
+    largest free block of any pool (`cache_info_aux`); a fraction cap does not lower the device's free memory."""
+    from timm_ext.memory_model.cache_release import cache_info
+    a = CachingAllocator(100 * MiB, device_bytes=300 * MiB)  # a 100 MiB cap on a device with 300 MiB free
+    block = a.malloc(60 * MiB)
+    assert cache_info(a.pools.values(), a.device_bytes - a.reserved) == 240 * MiB  # above the cap's 40 MiB
+    a.free(block)
+    assert cache_info(a.pools.values(), 10 * MiB) == 60 * MiB  # the cached 60 MiB block where the device has less
+    assert CachingAllocator(100 * MiB).device_bytes == 100 * MiB  # no cap: the device is the capacity

@@ -105,3 +105,16 @@ def test_a_small_cudnn_workspace_is_allocated_and_one_that_does_not_fit_is_done_
     small = replay(conv_log(256 << 10), UNLIMITED, ReplayConfig(iterations=1, cudnn_benchmark=False), record=True)
     assert workspace_allocs(small) == [256 << 10]
     assert fits(conv_log(500 << 20, resident=30 << 20), 64 << 20, ReplayConfig(cudnn_benchmark=False))
+
+
+def test_under_a_fraction_cap_the_cudnn_search_starts_from_the_devices_free_memory_above_the_cap():
+    """CUDACachingAllocator.cpp `DeviceCachingAllocator::cacheInfo` (torch 2.14.1, the same in 1.12.1 and 2.9.1)
+    starts from cudaMemGetInfo's free memory, which `set_per_process_memory_fraction` does not lower: under a 40 MiB cap
+    on a device with 100 MiB free, a 50 MiB plan is kept and tried, runs out under the cap, and the search halves."""
+    capped = replay(conv_log(50 << 20), 40 << 20, ReplayConfig(iterations=1, device_bytes=100 << 20), record=True)
+    assert workspace_allocs(capped) == [25 << 20, 25 << 20]
+    assert [e['action'] for e in capped.trace].count('oom') == 1
+    oom = next(e for e in capped.trace if e['action'] == 'oom')
+    assert oom['addr'] == 100 << 20  # torch records cudaMemGetInfo's free memory, the device's, in the OOM event
+    whole = replay(conv_log(50 << 20), 40 << 20, ReplayConfig(iterations=1), record=True)  # no cap: the device is 40
+    assert workspace_allocs(whole) == [40 << 20, 40 << 20] and 'oom' not in [e['action'] for e in whole.trace]

@@ -13,7 +13,8 @@ torch 2.14's (c10/cuda/CUDACachingAllocator.cpp, `DeviceCachingAllocator`), on o
 * when no free block fits: under a memory-fraction cap with `garbage_collection_threshold`, old wholly free large
   segments are released first (`garbage_collect_cached_blocks`); then a new segment is tried, then oversize free
   segments are released (`release_available_cached_blocks`), then every wholly free segment (`release_cached_blocks`)
-  and the segment tried once more; then the request fails (`OutOfMemory`).
+  and the segment tried once more; then the request fails (`OutOfMemory`). What is released, and what `cacheInfo`
+  reports, is `timm_ext.memory_model.cache_release`'s.
 
 With expandable segments each pool is one segment that maps pages as it grows (2 MiB small, `large_segment_size`
 large), and on failure the pages no live block touches are unmapped.
@@ -22,8 +23,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .allocator_config import MIN_BLOCK, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
-from .cache_release import garbage_collect, release_oversize
+from .allocator_config import MIN_BLOCK, NO_LIMIT, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
+from .cache_release import garbage_to_collect, oversize_to_release
 
 __all__ = ['OutOfMemory', 'Block', 'Segment', 'CachingAllocator', 'page_runs', 'ROUND_LARGE']
 
@@ -74,11 +75,15 @@ class CachingAllocator:
         record: Keep a trace of alloc / free / segment events (the snapshot's `device_traces`).
         capped: A memory fraction (`set_per_process_memory_fraction`) caps the allocator at `capacity`: only then does
             `garbage_collection_threshold` act (`allowed_memory_maximum`).
+        device_bytes: What cudaMalloc could hand out on the device when the run starts, a cap aside (the card less what
+            lies outside the allocator); None: `capacity` (no cap). Only the device's free memory (cudaMemGetInfo's,
+            which no memory-fraction cap lowers) reads it: `device_bytes - reserved`.
     """
 
     def __init__(self, capacity: int, config: AllocatorConfig = AllocatorConfig(), record: bool = False,
-                 capped: bool = False):
+                 capped: bool = False, device_bytes: Optional[int] = None):
         self.capacity = capacity
+        self.device_bytes = max(capacity, device_bytes or 0)
         self.config = config
         self.expandable = config.expandable_segments
         self._collects = capped and config.garbage_collection_threshold > 0
@@ -109,12 +114,6 @@ class CachingAllocator:
         if size < limit <= block.size or (size >= limit and block.size >= size + self.config.max_non_split_rounding):
             return None
         return block
-
-    def cache_info(self) -> int:
-        """`cacheInfo` from 0: the device's free memory (the capacity less what is reserved), or the largest cached
-        free block of either pool where that is larger."""
-        largest = max((pool[-1][0] for pool in self.pools.values() if pool), default=0)
-        return max(self.capacity - self.reserved, largest)
 
     def page_size(self, small: bool) -> int:
         """An expandable segment's page in a pool: 2 MiB small, `large_segment_size` large."""
@@ -155,18 +154,17 @@ class CachingAllocator:
         """Release what no live block uses (`release_cached_blocks`); whether anything was released."""
         if self.expandable:
             return self._unmap_free_pages()
-        released = False
-        for segment in [s for s in self.segments if len(s.blocks) == 1 and not s.blocks[0].live]:
-            self.release_segment(segment)
-            released = True
-        return released
+        free = [s.blocks[0] for s in self.segments if len(s.blocks) == 1 and not s.blocks[0].live]
+        self.release_segments(free)
+        return bool(free)
 
-    def release_segment(self, segment: Segment) -> None:
-        """cudaFree a wholly free segment (`release_block`)."""
-        self._remove_free(segment.blocks[0])
-        self.segments.remove(segment)
-        self.reserved -= segment.size
-        self._event('segment_free', segment.address, segment.size)
+    def release_segments(self, blocks: Iterable[Block]) -> None:
+        """cudaFree the wholly free segments of free `blocks` (`release_block`)."""
+        for segment in [block.segment for block in blocks]:
+            self._remove_free(segment.blocks[0])
+            self.segments.remove(segment)
+            self.reserved -= segment.size
+            self._event('segment_free', segment.address, segment.size)
 
     def empty_cache(self) -> None:
         """`torch.cuda.empty_cache()` (what cuDNN's benchmark does after its search)."""
@@ -254,16 +252,19 @@ class CachingAllocator:
         size = self.config.round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._take_free(size, small)
-        if block is None and self._collects:
-            garbage_collect(self)
+        if block is None and self._collects and not self.expandable:
+            excess = self.reserved - int(self.config.garbage_collection_threshold * self.capacity)
+            self.release_segments(garbage_to_collect(self.pools[False], excess, self.searches[False]))
         if block is None:
             block = self._new_segment(size, small)
-        if block is None and release_oversize(self, size, small):
-            block = self._new_segment(size, small)
+        if block is None and not self.expandable and self.config.max_split_size != NO_LIMIT:
+            oversize, enough = oversize_to_release(self.pools[small], size, self.config.max_split_size)
+            self.release_segments(oversize)
+            block = self._new_segment(size, small) if enough else None
         if block is None and self._release_cached():
             block = self._place(size, small)
         if block is None:
-            self._event('oom', self.capacity - self.reserved, size, tag)  # torch records the free memory as its addr
+            self._event('oom', self.device_bytes - self.reserved, size, tag)  # torch records cudaMemGetInfo's free
             raise OutOfMemory(f'cannot place {size} B with {self.reserved} B reserved of {self.capacity} B')
         rest = block.size - size
         if rest >= MIN_BLOCK if small or self.expandable else size < self.config.max_split_size and rest > SMALL_SIZE:

@@ -1,56 +1,68 @@
-"""What the caching allocator releases, beyond its wholly free segments, when no cached block fits a request.
+"""What the caching allocator releases, beyond its wholly free segments, when no cached block fits a request, and what
+it reports of its cache to cuDNN.
 
-Both are torch 2.14's (c10/cuda/CUDACachingAllocator.cpp, `DeviceCachingAllocator`) and act only where an option
-asks: `release_oversize` under `max_split_size_mb`, `garbage_collect` under `garbage_collection_threshold` with a
-memory-fraction cap. Only wholly free segments are released (`release_block` cudaFrees a whole segment).
+`oversize_to_release` and `garbage_to_collect` are torch 2.14's (c10/cuda/CUDACachingAllocator.cpp, `DeviceCachingAllocator`) and act only where an option
+asks: `oversize_to_release` under `max_split_size_mb`, `garbage_to_collect` under `garbage_collection_threshold` with a
+memory-fraction cap. Only wholly free segments are released (`release_block` cudaFrees a whole segment). Each says
+which free blocks to release and the allocator (`timm_ext.memory_model.allocator`) releases their segments: this
+module knows a pool only as its sorted (size, address, block) entries and a block's `size`, `segment.blocks` and
+`gc_base`.
+
+`cache_info` is `cacheInfo` called with 0, as cuDNN's benchmark search calls it (aten/src/ATen/native/cudnn/Conv_v8.cpp
+`get_available_workspace`): CUDACachingAllocator.cpp `DeviceCachingAllocator::cacheInfo` starts from cudaMemGetInfo's
+free memory and raises it to the largest cached free block of any pool (`cache_info_aux`); the same in torch 1.12.1,
+2.9.1 and 2.14.1. cudaMemGetInfo knows nothing of `set_per_process_memory_fraction` (only `allowed_memory_maximum`,
+checked in `alloc_block`, does), so under a fraction cap the search starts from the card's free memory, above the cap.
 """
-from typing import TYPE_CHECKING
+from typing import Iterable, List, Sequence, Tuple
 
-from .allocator_config import NO_LIMIT
-
-if TYPE_CHECKING:
-    from .allocator import CachingAllocator
-
-__all__ = ['release_oversize', 'garbage_collect']
+__all__ = ['oversize_to_release', 'garbage_to_collect', 'cache_info']
 
 
-def release_oversize(allocator: 'CachingAllocator', size: int, small: bool) -> bool:
-    """`release_available_cached_blocks` (only under max_split_size): the smallest free oversize segment that
-    holds the request, else the largest ones down to max_split_size until as much is released."""
-    limit, pool = allocator.config.max_split_size, allocator.pools[small]
-    if limit == NO_LIMIT or allocator.expandable:
-        return False
+def _whole(pool: Sequence[tuple]) -> list:
+    """The free blocks of a pool that are a whole segment, smallest first."""
+    return [entry[2] for entry in pool if len(entry[2].segment.blocks) == 1]
+
+
+def oversize_to_release(pool: Sequence[tuple], size: int, limit: int) -> Tuple[list, bool]:
+    """`release_available_cached_blocks` under max_split_size `limit`: (the free blocks whose segments to release,
+    whether that releases enough). The smallest free oversize segment that holds the request, else the largest ones
+    down to `limit` until as much as the request is released."""
     key = max(size, limit)
-    whole = [entry[2] for entry in pool if len(entry[2].segment.blocks) == 1]  # oversize blocks are never split
+    whole = _whole(pool)  # oversize blocks are never split
     fitting = [b for b in whole if b.size >= key]
     if fitting:
-        allocator.release_segment(fitting[0].segment)
-        return True
-    released = 0
+        return fitting[:1], True
+    released, chosen = 0, []
     for block in reversed(whole):
         if released >= key or block.size < limit:
             break
-        allocator.release_segment(block.segment)
+        chosen.append(block)
         released += block.size
-    return released >= key
+    return chosen, released >= key
 
 
-def garbage_collect(allocator: 'CachingAllocator') -> None:
-    """`garbage_collect_cached_blocks`: above the threshold's share of the cap, release the wholly free large
-    segments at least as old as the average, and again over the rest, until the excess is released."""
-    threshold = int(allocator.config.garbage_collection_threshold * allocator.capacity)
-    if allocator.reserved <= threshold or allocator.expandable:
-        return
-    target, reclaimed = allocator.reserved - threshold, 0
-    pool = allocator.pools[False]
-    ages = {b: allocator.searches[False] - b.gc_base for _, _, b in pool if len(b.segment.blocks) == 1}
-    total = sum(ages.values())
-    while reclaimed < target and ages:
+def garbage_to_collect(pool: Sequence[tuple], excess: int, searches: int) -> List:
+    """`garbage_collect_cached_blocks` with `excess` bytes reserved above the threshold's share of the cap: the wholly
+    free large-pool blocks at least as old as the average (a block's age is the pool's free-block searches since it was
+    freed), again over the rest, until the excess is released."""
+    if excess <= 0:
+        return []
+    ages = {b: searches - b.gc_base for b in _whole(pool)}
+    total, reclaimed, chosen = sum(ages.values()), 0, []
+    while reclaimed < excess and ages:
         average = total / len(ages)
         old = [b for _, _, b in pool if b in ages and ages[b] >= average]
         for block in old:
             reclaimed += block.size
             total -= ages.pop(block)
-            allocator.release_segment(block.segment)
+            chosen.append(block)
         if not old:
             break
+    return chosen
+
+
+def cache_info(pools: Iterable[Sequence[tuple]], device_free: int) -> int:
+    """`cacheInfo` from 0: `device_free` (cudaMemGetInfo's free memory: the device's, whatever the cap), or the largest
+    cached free block of any of `pools` where that is larger."""
+    return max([device_free] + [pool[-1][0] for pool in pools if pool])
