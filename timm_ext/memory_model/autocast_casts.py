@@ -16,14 +16,30 @@ the installed dispatcher (`torch._C._dispatch_dump_table`) shows which of their 
   matmul saves.
 
 `CudaAutocastCasts` does the same above autograd, so the trace saves what a CUDA step saves.
+
+The lists are the torch release's (`cuda_float32_functions`, `cuda_float32_output_functions`, `casts_upsampling`;
+`CudaAutocastCasts(software)`); the CPU side is always the installed torch's, which the trace runs:
+
+* 2.14.1: the installed aten/src/ATen/autocast_mode.h (the lists above).
+* 2.9.1: the 2.9.1 wheel's ATen/autocast_mode.h: the same, less `rms_norm` (added to `AT_FORALL_FP32` after 2.9),
+  and `AT_FORALL_FP32_SET_OPT_DTYPE` adds only Dimname overloads, which no Python entry point of timm reaches.
+* 1.12.1: aten/src/ATen/autocast_mode.cpp registered its lists inline (`TORCH_LIBRARY_IMPL(aten, Autocast, m)`,
+  `KERNEL(..., fp32)`); read from what the 1.12.1 wheel's libtorch_cpu.so registers for CUDA (its
+  `WrapFunction_<CastPolicy, DeviceType::CUDA, ..., &at::op>` instantiations): fp32 has no `logsumexp`,
+  `rms_norm` (the op did not exist) or upsampling kernel, so `interpolate` stays in half precision;
+  fp32_set_opt_dtype has no `linalg_vector_norm` / `linalg_matrix_norm` (`norm` was fp32_append_dtype, which also
+  returns float32 from the half input).
 """
-from typing import Any
+from typing import Any, FrozenSet, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ['CUDA_FLOAT32_FUNCTIONS', 'CUDA_FLOAT32_OUTPUT_FUNCTIONS', 'CudaAutocastCasts']
+from .versions import PINNED, RELEASES, Software, modelled_software
+
+__all__ = ['CUDA_FLOAT32_FUNCTIONS', 'CUDA_FLOAT32_OUTPUT_FUNCTIONS', 'CudaAutocastCasts', 'cuda_float32_functions',
+           'cuda_float32_output_functions', 'casts_upsampling']
 
 _HALF = (torch.float16, torch.bfloat16)
 _UNARY = ('acos', 'asin', 'cosh', 'erfinv', 'exp', 'expm1', 'log', 'log10', 'log2', 'log1p', 'reciprocal', 'rsqrt',
@@ -39,8 +55,43 @@ CUDA_FLOAT32_OUTPUT_FUNCTIONS = frozenset({
     torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod,
     torch.linalg.vector_norm, torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm,
 })
+# what each earlier release's CUDA lists lack, against 2.14.1's (the module doc)
+_FLOAT32_ADDED = {(2, 14, 0): frozenset({F.rms_norm, torch.rms_norm}),
+                  (2, 0, 0): frozenset({torch.logsumexp, torch.Tensor.logsumexp})}
+_OUTPUT_ADDED = {(2, 0, 0): frozenset({torch.linalg.vector_norm, torch.linalg.matrix_norm})}
+_UPSAMPLING_ADDED = (2, 0, 0)  # the first release modelled with upsample_* in AT_FORALL_FP32 (2.9.1)
 _UPSAMPLING = ('nearest', 'nearest-exact', 'linear', 'bilinear', 'bicubic', 'trilinear')  # not 'area': a pooling
 _DTYPE_POSITION = {F.softmax: 3, F.log_softmax: 3}  # where a positional dtype sits
+
+
+def _modelled_torch(software: Optional[Software]) -> Tuple[int, int, int]:
+    """The covered torch release whose lists apply (`versions.modelled_software`; None: the pinned one)."""
+    software = software or PINNED
+    if software.torch in {release.torch for release in RELEASES}:
+        return software.torch
+    return modelled_software(software)[0].torch
+
+
+def _without_later(functions: FrozenSet, added: dict, torch_version: Tuple[int, int, int]) -> FrozenSet:
+    for since, names in added.items():
+        if torch_version < since:
+            functions = functions - names
+    return functions
+
+
+def cuda_float32_functions(software: Optional[Software] = None) -> FrozenSet:
+    """The `fp32` functions CUDA autocast casts and CPU's does not, at the release of `software` (the module doc)."""
+    return _without_later(CUDA_FLOAT32_FUNCTIONS, _FLOAT32_ADDED, _modelled_torch(software))
+
+
+def cuda_float32_output_functions(software: Optional[Software] = None) -> FrozenSet:
+    """The `fp32_set_opt_dtype` (and `fp32_append_dtype`) functions at the release of `software`."""
+    return _without_later(CUDA_FLOAT32_OUTPUT_FUNCTIONS, _OUTPUT_ADDED, _modelled_torch(software))
+
+
+def casts_upsampling(software: Optional[Software] = None) -> bool:
+    """Whether CUDA autocast runs `interpolate`'s upsampling kernels in float32 at the release of `software`."""
+    return _modelled_torch(software) >= _UPSAMPLING_ADDED
 
 
 def _to_float32(value: Any) -> Any:
@@ -51,22 +102,31 @@ def _to_float32(value: Any) -> Any:
     return value
 
 
-def _casts(func, args: tuple, kwargs: dict) -> bool:
-    if func is F.interpolate:
-        mode = args[3] if len(args) > 3 else kwargs.get('mode', 'nearest')
-        return mode in _UPSAMPLING
-    return func in CUDA_FLOAT32_FUNCTIONS
-
-
 class CudaAutocastCasts(TorchFunctionMode):
-    """While CPU autocast is on, run CUDA autocast's float32 functions as CUDA autocast runs them."""
+    """While CPU autocast is on, run CUDA autocast's float32 functions as CUDA autocast runs them.
+
+    Args:
+        software: The torch whose CUDA lists apply (default: `versions.PINNED`; the module doc).
+    """
+
+    def __init__(self, software: Optional[Software] = None):
+        super().__init__()
+        self.float32_functions = cuda_float32_functions(software)
+        self.output_functions = cuda_float32_output_functions(software)
+        self.upsampling = casts_upsampling(software)
+
+    def _casts(self, func, args: tuple, kwargs: dict) -> bool:
+        if func is F.interpolate:
+            mode = args[3] if len(args) > 3 else kwargs.get('mode', 'nearest')
+            return self.upsampling and mode in _UPSAMPLING
+        return func in self.float32_functions
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.is_autocast_enabled('cpu'):
-            if _casts(func, args, kwargs):
+            if self._casts(func, args, kwargs):
                 args, kwargs = _to_float32(args), {k: _to_float32(v) for k, v in kwargs.items()}
-            elif func in CUDA_FLOAT32_OUTPUT_FUNCTIONS and 'dtype' not in kwargs \
+            elif func in self.output_functions and 'dtype' not in kwargs \
                     and len(args) <= _DTYPE_POSITION.get(func, len(args)) and args \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype in _HALF:
                 kwargs = {**kwargs, 'dtype': torch.float32}

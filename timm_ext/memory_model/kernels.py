@@ -3,17 +3,33 @@
 A fake-tensor trace sees each op's outputs, not what a kernel allocates for itself while it runs. Where the CUDA
 kernel differs, `describe_op` writes the op's shapes into the event log (`timm_ext.memory_model.events`), and
 `cuda_allocations` turns them into the allocations the CUDA kernel makes, for the replay
-(`timm_ext.memory_model.replay`). Each rule names its source (torch 2.14.1; where the stored source was newer or
-older, the installed libtorch_cuda.so decided):
+(`timm_ext.memory_model.replay`). Each rule names its source and the torch release it holds for (`versions.RELEASES`:
+the pinned 2.14.1 where no other is named; where the stored source was newer or older, that release's
+libtorch_cuda.so decided):
 
-* cuBLAS (aten/src/ATen/cuda/CublasHandlePool.cpp, `parseChosenWorkspaceSize`, `setWorkspaceForHandle`): the first
-  matrix product on a (handle, stream) allocates the workspace through the caching allocator and keeps it; handles
-  are per thread, and autograd runs a CUDA backward on its own device thread, so a training step holds two. The size
-  is CUBLAS_WORKSPACE_CONFIG's when it parses (every ":SIZE:COUNT" found adds SIZE KiB x COUNT), else 32 MiB on
-  compute capability 9.x to 12.x and 8 MiB + 128 KiB below (`cublas_workspace_bytes`). cuBLASLt (the Linear layers'
-  addmm with bias) uses the same workspace unless TORCH_CUBLASLT_UNIFIED_WORKSPACE is "0"
-  (`unified_cublas_and_lt_workspaces`); then it keeps its own CUBLASLT_WORKSPACE_SIZE KiB (1024 by default) per
-  thread (`getCUDABlasLtWorkspace`).
+* cuBLAS and cuBLASLt workspaces, a rule of the torch release (`cublas_workspace_bytes`,
+  `cublaslt_workspace_bytes`, `cuda_allocations`):
+
+  - torch 2.14.1 and 2.9.1 (aten/src/ATen/cuda/CublasHandlePool.cpp, `getCurrentCUDABlasHandle`,
+    `setWorkspaceForHandle`, `parseChosenWorkspaceSize`): the first matrix product on a (handle, stream) allocates
+    the workspace through the caching allocator and keeps it; handles are per thread, and autograd runs a CUDA
+    backward on its own device thread, so a training step holds two. The size is CUBLAS_WORKSPACE_CONFIG's when it
+    parses (every ":SIZE:COUNT" found adds SIZE KiB x COUNT), else the default of the compute capability: 2.14.1
+    gives 32 MiB to majors 9 to 12 (the wheel's code: `major - 9 < 4`), 2.9.1 only to 9.0 (the wheel's code compares
+    major and minor with (9, 0)); every other card gets 8 MiB + 128 KiB (":4096:2:16:8").
+  - cuBLASLt (a Linear layer's addmm with a bias, `gemm_and_bias`): `getCurrentCUDABlasLtHandle` is the cuBLAS
+    handle, so the cuBLAS workspace exists too; `getCUDABlasLtWorkspace` shares it when the two are unified, else
+    keeps CUBLASLT_WORKSPACE_SIZE KiB (1024 by default) per (handle, stream). Unified is
+    TORCH_CUBLASLT_UNIFIED_WORKSPACE read by `c10::utils::check_env`, and its default is the release's: on in
+    2.14.1 (`unified_cublas_and_lt_workspaces`), off in 2.9.1 (`getCUDABlasLtWorkspaceSize`'s static `unified`).
+  - torch 1.12.1 (the same file at v1.12.1 sets no workspace; the 1.12.1 wheel's libtorch_cuda.so imports no
+    cublasSetWorkspace): cuBLAS allocates its own workspace with cudaMalloc, outside the caching allocator, by its
+    own reading of CUBLAS_WORKSPACE_CONFIG (default ":4096:2:16:8" on cuBLAS 11). Where the bytes live is
+    `cublas_workspace_in_allocator`; the replay keeps them as an allocator block (the same bytes, placed in the
+    allocator's segments: at most one segment's rounding apart). Its addmm takes cuBLASLt's epilogue only on CUDA
+    11.4 and later (aten/src/ATen/native/cuda/Blas.cpp, `addmm_out_cuda_impl`'s `CUDA_VERSION >= 11040` guard, read
+    from later stored copies: the v1.12.1 text was not found), with a 1 MiB `at::empty` workspace for the call
+    (aten/src/ATen/cuda/CUDABlas.cpp, `gemm_and_bias`, pytorch#73328): timm's RTX 3090 table (CUDA 11.3) ran none.
 * cuDNN convolutions (aten/src/ATen/native/cudnn/Conv_v8.cpp): a plan's workspace adapts to the memory left (with
   `cudnn.benchmark` only plans whose workspace fits are kept, the largest is halved until it fits, and the cache is
   emptied after each search); the most asked is the convolution's input.
@@ -27,9 +43,10 @@ import re
 from typing import Iterator, List, Mapping, Optional, Tuple
 
 from .kernels_attention import ASSUMED_COMPUTE_CAPABILITY, attention_allocations, describe_attention
-from .versions import PINNED, Software
+from .versions import PINNED, RELEASES, Software, modelled_software
 
-__all__ = ['describe_op', 'cuda_allocations', 'cublas_workspace_bytes', 'cublaslt_workspace_bytes', 'Allocation']
+__all__ = ['describe_op', 'cuda_allocations', 'cublas_workspace_bytes', 'cublaslt_workspace_bytes', 'cublaslt_unified',
+           'cublas_workspace_in_allocator', 'Allocation']
 
 KiB = 1 << 10
 _MATMULS = ('mm.default', 'addmm.default', 'bmm.default', 'baddbmm.default', 'addmv.default', 'mv.default')
@@ -44,30 +61,85 @@ _WORKSPACE_CONFIG = re.compile(r':([0-9]+):([0-9]+)')  # parseChosenWorkspaceSiz
 Allocation = Tuple[int, str, str]
 
 
+def _modelled_torch(software: Optional[Software]) -> Tuple[int, int, int]:
+    """The covered torch release whose rules apply (`versions.modelled_software`; None: the pinned one)."""
+    software = software or PINNED
+    if software.torch in {release.torch for release in RELEASES}:
+        return software.torch
+    return modelled_software(software)[0].torch
+
+
+def cublas_workspace_in_allocator(software: Optional[Software] = None) -> bool:
+    """Whether torch gives cuBLAS its workspace from the caching allocator (2.9.1, 2.14.1), or cuBLAS allocates its
+    own with cudaMalloc, outside the allocator's statistics and segments (1.12.1; the module doc)."""
+    return _modelled_torch(software) >= (2, 0, 0)
+
+
+def _default_cublas_bytes(compute_capability: Tuple[int, int], torch: Tuple[int, int, int]) -> int:
+    """`parseChosenWorkspaceSize`'s default: 32 MiB (":4096:8") for the release's large-workspace cards, else
+    ":4096:2:16:8" (1.12.1: cuBLAS 11's own default)."""
+    if torch >= (2, 14, 0):
+        large = 9 <= compute_capability[0] <= 12
+    elif torch >= (2, 0, 0):
+        large = tuple(compute_capability[:2]) == (9, 0)
+    else:
+        large = False
+    return 4096 * KiB * 8 if large else 4096 * KiB * 2 + 16 * KiB * 8
+
+
 def cublas_workspace_bytes(compute_capability: Optional[Tuple[int, int]] = None,
-                           environ: Optional[Mapping[str, str]] = None) -> int:
+                           environ: Optional[Mapping[str, str]] = None, software: Optional[Software] = None) -> int:
     """The cuBLAS workspace of one (handle, stream), as `parseChosenWorkspaceSize` sizes it (the module doc).
 
     Args:
-        compute_capability: The card's; unknown: `ASSUMED_COMPUTE_CAPABILITY` (the newest generation, 32 MiB).
+        compute_capability: The card's; unknown: `ASSUMED_COMPUTE_CAPABILITY` (the newest generation).
         environ: The run's environment (default: this process's).
+        software: The torch whose rule applies (default: `versions.PINNED`).
     """
     config = (os.environ if environ is None else environ).get('CUBLAS_WORKSPACE_CONFIG')
     pairs = _WORKSPACE_CONFIG.findall(config) if config is not None else []
     if pairs:
         return sum(int(size) * KiB * int(count) for size, count in pairs)
-    major = (compute_capability or ASSUMED_COMPUTE_CAPABILITY)[0]  # unset or unparsed: the default
-    return 4096 * KiB * 8 if 9 <= major <= 12 else 4096 * KiB * 2 + 16 * KiB * 8
+    # unset or unparsed: the default
+    return _default_cublas_bytes(compute_capability or ASSUMED_COMPUTE_CAPABILITY, _modelled_torch(software))
 
 
-def cublaslt_workspace_bytes(environ: Optional[Mapping[str, str]] = None) -> int:
-    """cuBLASLt's own workspace per (handle, stream): 0 where it shares cuBLAS's (the default), else
-    CUBLASLT_WORKSPACE_SIZE KiB (`parseCUDABlasLtWorkspaceSize`: 1024 when unset or not a number)."""
+def _check_env(value: Optional[str]) -> Optional[bool]:
+    """`c10::utils::check_env`: "1" is true, "0" false; unset or anything else (warned) is no answer."""
+    return {'1': True, '0': False}.get(value) if value is not None else None
+
+
+def cublaslt_unified(environ: Optional[Mapping[str, str]] = None, software: Optional[Software] = None) -> bool:
+    """Whether cuBLASLt shares the cuBLAS workspace: TORCH_CUBLASLT_UNIFIED_WORKSPACE, else the release's default
+    (on in 2.14.1, off in 2.9.1; the module doc). 1.12.1 keeps no cuBLASLt workspace (False)."""
+    torch = _modelled_torch(software)
+    if torch < (2, 0, 0):
+        return False
+    answer = _check_env((os.environ if environ is None else environ).get('TORCH_CUBLASLT_UNIFIED_WORKSPACE'))
+    return torch >= (2, 14, 0) if answer is None else answer
+
+
+def cublaslt_workspace_bytes(environ: Optional[Mapping[str, str]] = None, software: Optional[Software] = None) -> int:
+    """cuBLASLt's own workspace per (handle, stream): 0 where it shares cuBLAS's (`cublaslt_unified`) or the release
+    keeps none (1.12.1), else CUBLASLT_WORKSPACE_SIZE KiB (`parseCUDABlasLtWorkspaceSize`: 1024 when unset or not a
+    number)."""
     environ = os.environ if environ is None else environ
-    if environ.get('TORCH_CUBLASLT_UNIFIED_WORKSPACE') != '0':
+    if _modelled_torch(software) < (2, 0, 0) or cublaslt_unified(environ, software):
         return 0
+    return _lt_size(environ)
+
+
+def _lt_size(environ: Mapping[str, str]) -> int:
     number = re.match(r'\s*([+-]?[0-9]+)', environ.get('CUBLASLT_WORKSPACE_SIZE', ''))  # std::stoi's reading
     return (int(number.group(1)) if number else 1024) * KiB
+
+
+def _lt_call_workspace(software: Software) -> int:
+    """torch 1.12.1's cuBLASLt workspace, allocated for each call: 1 MiB where its addmm takes the epilogue (CUDA
+    11.4 and later: the module doc), else 0."""
+    if _modelled_torch(software) >= (2, 0, 0) or software.cuda is None or software.cuda < (11, 4):
+        return 0
+    return 1024 * KiB
 
 
 def _nbytes(tensor) -> int:
@@ -110,14 +182,19 @@ def cuda_allocations(signature: str, numbers: List[int], backward: bool,
     software = software or PINNED
     if signature.startswith('matmul'):
         thread = 'backward' if backward else 'forward'
-        yield cublas_workspace_bytes(compute_capability, environ), 'kept', f'cublas {thread}'
-        lt_bytes = cublaslt_workspace_bytes(environ) if signature == 'matmul lt' else 0
-        if lt_bytes:
-            yield lt_bytes, 'kept', f'cublaslt {thread}'
+        # 1.12.1: cuBLAS's own cudaMalloc, kept here as a block of the same bytes (cublas_workspace_in_allocator)
+        yield cublas_workspace_bytes(compute_capability, environ, software), 'kept', f'cublas {thread}'
+        if signature == 'matmul lt':
+            lt_bytes = cublaslt_workspace_bytes(environ, software)
+            if lt_bytes:
+                yield lt_bytes, 'kept', f'cublaslt {thread}'
+            call_bytes = _lt_call_workspace(software)
+            if call_bytes:
+                yield call_bytes, 'op', 'cublaslt call'
     elif signature.startswith(_CONVOLUTIONS):
         yield numbers[0], 'adaptive', signature
     elif signature in _LAYER_NORMS:
         if numbers[0]:
             yield numbers[0], 'op', signature
     elif signature.startswith('attention '):
-        yield from attention_allocations(signature, numbers, compute_capability, environ)
+        yield from attention_allocations(signature, numbers, compute_capability, environ, software)
