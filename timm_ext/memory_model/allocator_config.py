@@ -1,7 +1,9 @@
-"""The caching allocator's options, read from the environment as torch 2.14.1 reads them, and the size rules they set.
+"""The caching allocator's options, read from the environment as the run's torch reads them, and the sizes they set.
 
-Read from torch 2.14.1 (the installed wheel's headers c10/core/AllocatorConfig.h and c10/cuda/CUDAAllocatorConfig.h,
-the option names in its libc10.so / libc10_cuda.so, and c10/core/AllocatorConfig.cpp and
+Which variable is read, which options exist and how a setting is checked are rules of the torch release
+(`versions.RELEASES`; every function takes `software`, default the pinned 2.14.1; a refusal names the release it
+models). Read from torch 2.14.1 (the installed wheel's headers c10/core/AllocatorConfig.h and
+c10/cuda/CUDAAllocatorConfig.h, the option names in its libc10.so / libc10_cuda.so, and c10/core/AllocatorConfig.cpp and
 c10/cuda/CUDAAllocatorConfig.cpp as stored upstream):
 
 * the first variable set of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF is read, an empty one
@@ -14,16 +16,43 @@ c10/cuda/CUDAAllocatorConfig.cpp as stored upstream):
 Options that change where device blocks land are modelled (`AllocatorConfig`); options for pinned host memory, the
 allocator's lock or CUDA graph capture leave the device blocks of an eager step as they are; the rest are refused in
 one line that names the option (`allocator_config`).
+
+torch 2.9.1 (the 2.9.1 wheel's c10/cuda/CUDAAllocatorConfig.h, whose inline `CUDAAllocatorConfig::instance` reads
+PYTORCH_CUDA_ALLOC_CONF, and the option names and messages in its libc10_cuda.so; c10/cuda/CUDAAllocatorConfig.cpp
+`lexArgs` / `parseArgs` read in a stored copy of that era, which the strings match):
+
+* the device allocator reads PYTORCH_CUDA_ALLOC_CONF only. PYTORCH_ALLOC_CONF is read by c10's
+  `AcceleratorAllocatorConfig` (libc10.so, first PYTORCH_ALLOC_CONF, then PYTORCH_CUDA_ALLOC_CONF with a deprecation
+  warning), which in 2.9.1 only the pinned host allocator consults (libc10_cuda.so references none of it): a
+  PYTORCH_ALLOC_CONF alone leaves the device blocks as the defaults place them, expandable segments included;
+* `lexArgs` splits at ',', ':', '[' and ']' and drops spaces only; flags are `True` or `False`; max_split_size_mb and
+  max_non_split_rounding_mb are read with `std::stoi` and must be > 20; there is no large_segment_size_mb,
+  per_process_memory_fraction, throw_on_cudamalloc_oom or pinned_max_*; an unknown key is an error
+  ("Unrecognized CachingAllocator option").
+
+torch 1.12.1 (c10/cuda/CUDACachingAllocator.cpp, `CachingAllocatorConfig::parseArgs`: the 1.12.1 wheel's
+libc10_cuda.so holds the variable, the two regular expressions, the three option names and every message; the code
+around them read in a port of that file of the same era, torch_musa's, whose messages are the same):
+
+* PYTORCH_CUDA_ALLOC_CONF only; options are split at runs of white space and commas (`[\\s,]+`), each option at runs
+  of ':' (`[:]+`), and an option with no value after a ':' is skipped without a word;
+* three options: max_split_size_mb (`std::stoi`, > 20), roundup_power2_divisions (one `std::stoi` count for every
+  size, a power of 2) and garbage_collection_threshold (`std::stod`, in (0, 1)); any other key with a value is an
+  error (expandable_segments appeared in torch 2.1);
+* `round_size` rounds with any count above 0 and `roundup_power2_next_division` returns a size unchanged for a count
+  of 1, so `roundup_power2_divisions:1` leaves requests above 512 B unrounded (`AllocatorConfig.single_division_exact`).
 """
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..errors import UsageError
+from .versions import PINNED, RELEASES, Software, modelled_software
 
 __all__ = ['AllocatorConfig', 'allocator_config', 'allocator_setting', 'expandable_setting', 'parse_allocator_conf',
-           'VARIABLES', 'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
+           'allocator_variables', 'known_options', 'has_expandable_segments', 'VARIABLES', 'MIN_BLOCK', 'SMALL_SIZE',
+           'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
 
 MiB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -57,6 +86,63 @@ KNOWN = (*MODELLED, *NO_DEVICE_EFFECT, *REFUSED)
 
 
 @dataclass(frozen=True)
+class _Release:
+    """How one torch release reads its allocator setting (the module doc)."""
+    name: str
+    variables: Tuple[str, ...]  # read for the device allocator, first set wins
+    modelled: Tuple[str, ...]
+    no_device_effect: Tuple[str, ...]
+    refused: Tuple[str, ...]
+    flags: Tuple[str, ...]
+    white_space: str  # what the tokenizer drops
+    split_floor_is_large_segment: bool  # max_split_size_mb >= large_segment_size (else > 20)
+
+
+_RELEASES = {
+    (2, 14, 1): _Release(TORCH, VARIABLES, MODELLED, NO_DEVICE_EFFECT, tuple(REFUSED), FLAGS, ' \t\n\v\f\r', True),
+    (2, 9, 1): _Release(
+        'torch 2.9.1', ('PYTORCH_CUDA_ALLOC_CONF',),
+        ('expandable_segments', 'max_split_size_mb', 'max_non_split_rounding_mb', 'garbage_collection_threshold',
+         'roundup_power2_divisions'),
+        ('release_lock_on_cudamalloc', 'release_lock_on_hipmalloc', 'pinned_use_cuda_host_register',
+         'pinned_use_hip_host_register', 'pinned_num_register_threads', 'pinned_use_background_threads',
+         'graph_capture_record_stream_reuse'),
+        ('backend',),
+        ('expandable_segments', 'release_lock_on_cudamalloc', 'release_lock_on_hipmalloc',
+         'pinned_use_cuda_host_register', 'pinned_use_hip_host_register', 'pinned_use_background_threads',
+         'graph_capture_record_stream_reuse'),
+        ' ', False),
+    (1, 12, 1): _Release('torch 1.12.1', ('PYTORCH_CUDA_ALLOC_CONF',),
+                         ('max_split_size_mb', 'roundup_power2_divisions', 'garbage_collection_threshold'), (), (), (),
+                         ' \t\n\v\f\r', False),
+}
+assert {release.torch for release in RELEASES} == set(_RELEASES)
+
+
+def _release(software: Optional[Software]) -> _Release:
+    """The covered release whose rules read the setting (`versions.modelled_software`; None: the pinned one)."""
+    software = software or PINNED
+    torch = software.torch if software.torch in _RELEASES else modelled_software(software)[0].torch
+    return _RELEASES[torch]
+
+
+def allocator_variables(software: Optional[Software] = None) -> Tuple[str, ...]:
+    """The environment variables the device allocator reads, in the order it reads them (first set wins)."""
+    return _release(software).variables
+
+
+def known_options(software: Optional[Software] = None) -> Tuple[str, ...]:
+    """The allocator options the release knows (any other is refused by that torch)."""
+    release = _release(software)
+    return (*release.modelled, *release.no_device_effect, *release.refused)
+
+
+def has_expandable_segments(software: Optional[Software] = None) -> bool:
+    """Whether the release knows `expandable_segments` (it appeared in torch 2.1)."""
+    return 'expandable_segments' in _release(software).modelled
+
+
+@dataclass(frozen=True)
 class AllocatorConfig:
     """The allocator options that change where device blocks land (defaults: torch's, no option set).
 
@@ -70,6 +156,7 @@ class AllocatorConfig:
             (`large_segment_size_mb`).
         roundup_power2_divisions: Per power of two from 1 MiB, how many divisions requests round up to (0: 512 B).
         garbage_collection_threshold: Fraction of a memory-fraction cap above which old free segments are released.
+        single_division_exact: A division count of 1 leaves requests above 512 B unrounded (torch 1.12.1).
         variable: The environment variable it was read from ('' when none is set).
         text: That variable's value.
     """
@@ -79,6 +166,7 @@ class AllocatorConfig:
     large_segment_size: int = LARGE_BUFFER
     roundup_power2_divisions: Tuple[int, ...] = (0,) * DIVISION_INTERVALS
     garbage_collection_threshold: float = 0.0
+    single_division_exact: bool = False
     variable: str = ''
     text: str = ''
 
@@ -88,6 +176,8 @@ class AllocatorConfig:
             return MIN_BLOCK
         index = min(max(0, nbytes.bit_length() - 1 - DIVISION_START_LOG2), DIVISION_INTERVALS - 1)
         divisions = self.roundup_power2_divisions[index]  # AcceleratorAllocatorConfig::roundup_power2_divisions
+        if divisions == 1 and self.single_division_exact and nbytes > MIN_BLOCK:
+            return nbytes  # 1.12.1: round_size calls roundup_power2_next_division, which returns 1 division as is
         if divisions > 1 and nbytes > MIN_BLOCK * divisions:
             return _next_division(nbytes, divisions)
         return MIN_BLOCK * -(-nbytes // MIN_BLOCK)
@@ -112,8 +202,8 @@ def _next_division(size: int, divisions: int) -> int:
     return size if size % step == 0 else (size // step + 1) * step
 
 
-def _tokens(text: str) -> List[str]:
-    """`ConfigTokenizer`: the separators are tokens of their own, white space is dropped."""
+def _tokens(text: str, white_space: str = ' \t\n\v\f\r') -> List[str]:
+    """`ConfigTokenizer` (2.9.1: `lexArgs`): the separators are tokens of their own, `white_space` is dropped."""
     tokens, word = [], ''
     for char in text:
         if char in ',:[]':
@@ -121,7 +211,7 @@ def _tokens(text: str) -> List[str]:
                 tokens.append(word)
                 word = ''
             tokens.append(char)
-        elif char not in ' \t\n\v\f\r':
+        elif char not in white_space:
             word += char
     return tokens + [word] if word else tokens
 
@@ -135,6 +225,15 @@ def _size(token: str) -> int:
     match = re.match(r'[+-]?\d+', token)
     if match is None:
         raise ValueError(token)
+    return int(match.group()) % (1 << 64)
+
+
+def _int(token: str) -> int:
+    """`std::stoi` stored in a size_t: the leading int (a negative one wraps around); ValueError when there is none
+    or it does not fit an int."""
+    match = re.match(r'\s*[+-]?\d+', token)
+    if match is None or not -(1 << 31) <= int(match.group()) < 1 << 31:
+        raise ValueError(f"std::stoi reads no int from '{token}'")
     return int(match.group()) % (1 << 64)
 
 
@@ -173,12 +272,21 @@ def _divisions(value: List[str]) -> Tuple[int, ...]:
     return tuple(counts)
 
 
-def _read(key: str, value: List[str], settings: Dict[str, object]) -> None:
-    """Check one option's value as torch does and keep what the model needs in `settings` (ValueError: refused)."""
-    if key in FLAGS and value[0] not in ('True', 'False'):
+def _read(key: str, value: List[str], settings: Dict[str, object], release: _Release = _RELEASES[(2, 14, 1)]) -> None:
+    """Check one option's value as `release` does and keep what the model needs in `settings` (ValueError: refused)."""
+    if key in release.flags and value[0] not in ('True', 'False'):
         raise ValueError(f"{key} takes True or False, written so, not '{value[0]}'")
     large = settings.get('large_segment_size', LARGE_BUFFER)
-    if key == 'expandable_segments':
+    if not release.split_floor_is_large_segment and key in ('max_split_size_mb', 'max_non_split_rounding_mb'):
+        if _int(value[0]) <= LARGE_BUFFER // MiB:  # parseMaxSplitSize's std::stoi, "must be > 20"
+            raise ValueError(f'{key} must be > {LARGE_BUFFER // MiB}')
+        name = 'max_split_size' if key == 'max_split_size_mb' else 'max_non_split_rounding'
+        settings[name] = min(_int(value[0]), NO_LIMIT // MiB) * MiB
+    elif key == 'pinned_num_register_threads' and not release.split_floor_is_large_segment:
+        threads = _int(value[0])
+        if threads & (threads - 1) or not threads or threads > 128:  # 2.9.1: a power of 2, at most 128
+            raise ValueError('pinned_num_register_threads must be a power of 2 up to 128')
+    elif key == 'expandable_segments':
         settings['expandable_segments'] = value[0] == 'True'
     elif key == 'large_segment_size_mb':
         if _size(value[0]) <= MIN_LARGE_ALLOC // MiB:
@@ -212,27 +320,69 @@ def _refused(key: str, value: List[str]) -> bool:
     return key in REFUSED and value[0] != 'False'
 
 
-def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF') -> AllocatorConfig:
-    """`text` read as torch reads an allocator setting (AcceleratorAllocatorConfig::parseArgs and
-    CUDAAllocatorConfig::parseArgs, one pass), into the options the model uses.
+def _unknown(release: _Release, key: str) -> str:
+    since = ' (it appeared in torch 2.1)' if key == 'expandable_segments' else ''
+    return (f"{release.name} does not know the allocator option '{key}'{since}; drop it (the options that place "
+            f"device blocks: {', '.join(release.modelled)})")
+
+
+def _knows(release: _Release, key: str) -> bool:
+    return key in (*release.modelled, *release.no_device_effect, *release.refused)
+
+
+def _parse_regex_era(text: str, variable: str, release: _Release) -> AllocatorConfig:
+    """torch 1.12.1's `CachingAllocatorConfig::parseArgs` (the module doc): options split at runs of white space and
+    commas, each at runs of ':'; an option without a value is skipped."""
+    settings: Dict[str, object] = {}
+    for option in re.split(r'[ \t\n\v\f\r,]+', text):
+        parts = re.split(r':+', option)
+        if parts and not parts[-1]:
+            parts.pop()  # std::sregex_token_iterator yields no empty last piece
+        if len(parts) < 2:
+            continue
+        key, value = parts[0], parts[1]
+        if key not in release.modelled:
+            raise _error(variable, text, _unknown(release, key))
+        try:
+            if key == 'roundup_power2_divisions':
+                count = _int(value)
+                if count & (count - 1) or not count:
+                    raise ValueError('the divisions must be a power of 2')
+                settings['roundup_power2_divisions'] = (count,) * DIVISION_INTERVALS
+            else:
+                _read(key, [value], settings, release)
+        except ValueError as e:
+            raise _error(variable, text, f'{release.name} refuses {key}:{value} ({e}); fix or drop it') from None
+    return AllocatorConfig(**settings, single_division_exact=True, variable=variable, text=text)
+
+
+def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF',
+                         software: Optional[Software] = None) -> AllocatorConfig:
+    """`text` read as the release of `software` reads an allocator setting (2.14.1:
+    AcceleratorAllocatorConfig::parseArgs and CUDAAllocatorConfig::parseArgs, one pass; the module doc for the
+    others), into the options the model uses.
 
     Raises:
-        UsageError: Torch would refuse it, or it sets an option the model cannot follow (the option is named).
+        UsageError: That torch would refuse it, or it sets an option the model cannot follow (the option and the
+            release are named).
     """
-    tokens, settings, i = _tokens(text), {}, 0
+    release = _release(software)
+    if release is _RELEASES[(1, 12, 1)]:
+        return _parse_regex_era(text, variable, release)
+    tokens, settings, i = _tokens(text, release.white_space), {}, 0
     while i < len(tokens):
         key = tokens[i]
-        if key not in KNOWN:
-            raise _error(variable, text, f"{TORCH} does not know the allocator option '{key}'; drop it (the options "
-                                         f"that place device blocks: {', '.join(MODELLED)})")
+        if not _knows(release, key):
+            raise _error(variable, text, _unknown(release, key))
         if tokens[i + 1:i + 2] != [':'] or i + 2 >= len(tokens):
             raise _error(variable, text, f"'{key}' needs a value, written {key}:VALUE")
         end = tokens.index(']', i + 2) if tokens[i + 2] == '[' and ']' in tokens[i + 2:] else i + 2
         value = tokens[i + 2:end + 1]
         try:
-            _read(key, value, settings)
+            _read(key, value, settings, release)
         except ValueError as e:
-            raise _error(variable, text, f'{TORCH} refuses {key}:{"".join(value)} ({e}); fix or drop it') from None
+            raise _error(variable, text, f'{release.name} refuses {key}:{"".join(value)} ({e}); fix or drop it') \
+                from None
         if _refused(key, value):
             raise _error(variable, text, f'{key}:{"".join(value)} is not modelled: {REFUSED[key]}; drop it to plan')
         i = end + 1
@@ -243,34 +393,40 @@ def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF') -> All
     return AllocatorConfig(**settings, variable=variable, text=text)
 
 
-def allocator_setting(environ: Mapping[str, str] = os.environ) -> Tuple[str, str]:
-    """(variable, value) of the allocator setting torch reads: the first of `VARIABLES` set; ('', '') for none."""
-    for variable in VARIABLES:
+def allocator_setting(environ: Mapping[str, str] = os.environ, software: Optional[Software] = None) -> Tuple[str, str]:
+    """(variable, value) of the allocator setting the release reads: the first of `allocator_variables` set; ('', '')
+    for none."""
+    for variable in allocator_variables(software):
         if variable in environ:
             return variable, environ[variable]
     return '', ''
 
 
-def allocator_config(environ: Mapping[str, str] = os.environ) -> AllocatorConfig:
-    """The allocator options of the run this environment starts; call it before planning a CUDA run.
+def allocator_config(environ: Mapping[str, str] = os.environ, software: Optional[Software] = None) -> AllocatorConfig:
+    """The allocator options of the run this environment starts on the release of `software` (default: the pinned
+    one); call it before planning a CUDA run.
 
     Raises:
-        UsageError: The setting torch reads is refused by torch, or names an option the model cannot follow.
+        UsageError: The setting that torch reads is refused by it, or names an option the model cannot follow.
     """
-    variable, text = allocator_setting(environ)
-    return parse_allocator_conf(text, variable) if variable else AllocatorConfig()
+    variable, text = allocator_setting(environ, software)
+    return parse_allocator_conf(text, variable, software) if variable else AllocatorConfig()
 
 
-def expandable_setting(environ: Mapping[str, str] = os.environ) -> Tuple[str, str]:
+def expandable_setting(environ: Mapping[str, str] = os.environ, software: Optional[Software] = None) -> Tuple[str, str]:
     """(variable, value) that turns expandable segments on and keeps the rest of the user's setting: the variable
-    torch reads (PYTORCH_ALLOC_CONF when none is set), its options with `expandable_segments:True` in place of any
-    expandable_segments option.
+    the release reads (when none is set: PYTORCH_ALLOC_CONF on 2.14.1, PYTORCH_CUDA_ALLOC_CONF on 2.9.1, the only one
+    its device allocator reads), its options with `expandable_segments:True` in place of any expandable_segments
+    option.
 
     Raises:
-        UsageError: The user's setting is refused (`allocator_config`).
+        UsageError: The user's setting is refused (`allocator_config`), or the release has no expandable segments.
     """
-    config = allocator_config(environ)
-    variable = config.variable or 'PYTORCH_ALLOC_CONF'
+    release = _release(software)
+    if not has_expandable_segments(software):
+        raise UsageError(f'{release.name} has no expandable segments (the option appeared in torch 2.1)')
+    config = allocator_config(environ, software)
+    variable = config.variable or release.variables[-1]
     options, depth, start = [], 0, 0
     for i, char in enumerate(config.text + ','):
         depth += (char == '[') - (char == ']')
