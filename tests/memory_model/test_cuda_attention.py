@@ -1,20 +1,23 @@
-"""scaled_dot_product_attention on CUDA: the backend torch 2.14.1 picks for the card, and what it holds beyond the
-CPU flash op the trace ran, each against the source it was read from."""
+"""scaled_dot_product_attention on CUDA: the backend a torch release picks for the card, and what it holds beyond the
+CPU flash op the trace ran, each against the source it was read from (torch 2.14.1 where a test names no release)."""
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from timm_ext.memory_model.events import EventLog
 from timm_ext.memory_model.kernels import cuda_allocations
-from timm_ext.memory_model.kernels_attention import cuda_attention_backend
+from timm_ext.memory_model.kernels_attention import (attention_allocations, cuda_attention_backend, cudnn_preferred,
+                                                     sdpa_available)
 from timm_ext.memory_model.replay import UNLIMITED, ReplayConfig, replay
+from timm_ext.memory_model.versions import RELEASES, Software
 
 HALF, BF16, FLOAT = 'torch.float16', 'torch.bfloat16', 'torch.float32'
 
 
-def _backend(cc, dtype=HALF, head=64, masked=False, four_d=True, training=False, environ=None, head_v=None):
+def _backend(cc, dtype=HALF, head=64, masked=False, four_d=True, training=False, environ=None, head_v=None,
+             software=None):
     return cuda_attention_backend(dtype, head, head_v or head, 197, four_d, masked, False, training, cc,
-                                  environ if environ is not None else {})
+                                  environ if environ is not None else {}, software)
 
 
 def _attention_ops(run, cc=(12, 0)):
@@ -118,3 +121,49 @@ def test_the_replay_holds_what_an_op_saved_until_its_backward_releases_it():
     assert allocator.allocated == 0
     saved = 4 * 24 * 256 * (3 * 64 + 256)
     assert allocator.peak_allocated >= 2 * saved
+
+
+V112, V291_CU128, V291_CU130, V2141 = RELEASES
+
+
+def test_scaled_dot_product_attention_exists_from_torch_2_only():
+    """torch/nn/functional.py at v1.12.1 (its PyPI wheel): only the private _scaled_dot_product_attention that
+    MultiheadAttention calls; v2.9.1 and v2.14.1 have F.scaled_dot_product_attention. A 1.12.1 trace that still holds
+    the op is priced as the math path."""
+    assert not sdpa_available(V112) and sdpa_available(V291_CU130) and sdpa_available(V2141) and sdpa_available()
+    assert _backend((8, 0), software=V112) == 'math'
+    numbers = [2, 3, 197, 197, 64, 64]
+    sig = 'attention backward torch.float16 4-d unmasked training'
+    assert [key for _, _, key in attention_allocations(sig, numbers, (8, 6), {}, V112)] == \
+        ['math attention backward', 'math attention saved']
+    assert [key for _, _, key in attention_allocations(sig, numbers, (8, 6), {}, V2141)] == \
+        ['flash dq_accum', 'flash softmax_d']
+
+
+def test_cudnn_attentions_preference_is_each_releases_check_prefer_cudnn_attention():
+    """aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, check_prefer_cudnn_attention: v2.14.1 (installed
+    libtorch_cuda.so, select_sdp_backend disassembled) majors 9 and 10, runtime cuDNN > 9.15.0, unless
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1; v2.9.1 (stored source matching its wheel) sm90 and sm100 only (minor 0), a build
+    against cuDNN 9.9+ (the PyPI cu128 wheel was built against 9.8.0: never; its select_sdp_backend never sets the
+    order), unless TORCH_CUDNN_SDPA_PREFERRED=0. The tables' cards (sm89, sm120) never prefer it."""
+    assert cudnn_preferred((10, 3), V2141, {}) and not cudnn_preferred((10, 3), V291_CU130, {})
+    assert cudnn_preferred((9, 0), V291_CU130, {}) and not cudnn_preferred((9, 0), V291_CU128, {})
+    assert not cudnn_preferred((9, 0), V291_CU130, {'TORCH_CUDNN_SDPA_PREFERRED': '0'})
+    assert not cudnn_preferred((9, 0), V2141, {'TORCH_CUDNN_SDPA_DEPRIORITIZED': '1'})
+    assert not cudnn_preferred((9, 0), Software((2, 14, 1), (12, 8), (9, 10, 2)), {})  # runtime cuDNN <= 9.15.0
+    assert not any(cudnn_preferred(cc, software, {}) for cc in ((8, 9), (12, 0)) for software in RELEASES)
+    assert not cudnn_preferred((9, 0), V112, {})
+    assert _backend((9, 0), software=V291_CU130) == 'cudnn' and _backend((9, 0), software=V291_CU128) == 'flash'
+
+
+def test_cudnn_attentions_head_size_and_batch_checks_per_release():
+    """sdp_utils.cpp, check_cudnn_tensor_shapes: v2.9.1 head sizes up to 128, 256 on sm90 when built against cuDNN
+    9.10+ (versionCuDNN), no batch check; v2.14.1 up to 256 and at most 65535 rows (max_cudnn_dim_size; the binary's
+    "cuDNN SDPA does not support batch size or num_heads greater than"), above which flash runs."""
+    assert _backend((9, 0), head=192, software=V291_CU130) == 'cudnn'
+    assert _backend((10, 0), head=192, software=V291_CU130) == 'flash'  # 128 off sm90
+    assert _backend((10, 0), head=192, software=V2141) == 'cudnn'
+    assert cuda_attention_backend(HALF, 64, 64, 197, True, False, False, False, (9, 0), {}, V2141,
+                                  rows=65536) == 'flash'
+    assert cuda_attention_backend(HALF, 64, 64, 197, True, False, False, False, (9, 0), {}, V291_CU130,
+                                  rows=65536) == 'cudnn'

@@ -1,9 +1,11 @@
-"""The kernels' launch limits against the torch 2.14.1 sources they were read from."""
+"""The kernels' launch limits against the sources they were read from: torch 2.14.1 where a test names no release
+(`versions.PINNED`, `launch_limit`'s default), each covered release where the rule differs."""
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from timm_ext.memory_model.kernel_limits import KernelSizes, launch_limit
+from timm_ext.memory_model.kernel_limits import KernelSizes, as_channels_last, depthwise_route, launch_limit
+from timm_ext.memory_model.versions import RELEASES, Software
 
 MOST = 2 ** 31 - 2  # canUse32BitIndexMath: a tensor fits 32-bit indexing below INT32_MAX elements
 
@@ -78,3 +80,77 @@ def test_flash_attention_puts_the_batch_in_a_grid_dimension_of_65535_and_other_b
         with sizes:  # float32: no autocast
             F.scaled_dot_product_attention(q(), q(), q())
     assert launch_limit(sizes.sizes) == (None, '')
+
+
+V112, V291_CU128, V291_CU130, V2141 = RELEASES
+
+
+def test_depthwise_routing_is_the_releases_use_cudnn_depthwise():
+    """aten/src/ATen/native/Convolution.cpp, ConvParams::use_cudnn_depthwise, at v1.12.1, v2.9.1 and v2.14.1 (each
+    wheel's libtorch_cpu.so disassembled; the stored sources agree): v1.12.1 has no 32-bit test (channels-last and the
+    float16 cuDNN shape go to cuDNN, the rest to PyTorch's kernel); from v2.9.1 a tensor past 32-bit indexing goes to
+    cuDNN 9.3+, except a channels-last one on cuDNN > 9.10.0 (v2.9.1) or 9.10.1-9.14 (v2.14.1)."""
+    def route(software, channels_last, half=True, shape=True, fits=False):
+        return depthwise_route(software, channels_last, half, shape, fits)
+    # channels-last past 32-bit indexing: the releases differ
+    assert route(V112, True) == 'cudnn'
+    assert route(V291_CU128, True) == route(V291_CU130, True) == 'native'  # cuDNN 9.10.2 and 9.13.0: > 9.10.0
+    assert route(V2141, True) == 'cudnn'  # cuDNN 9.24: outside 9.10.1-9.14
+    assert route(Software((2, 14, 1), (13, 0), (9, 13, 0)), True) == 'native'
+    assert route(Software((2, 9, 1), (12, 8), (9, 5, 0)), True) == 'cudnn'  # 9.3 to 9.10.0 took it under v2.9.1
+    # contiguous past 32-bit indexing without the float16 cuDNN shape: PyTorch's kernel before 2.x's 9.3+ rule
+    assert route(V112, False, half=False) == 'native'
+    assert route(V291_CU128, False, half=False) == route(V2141, False, half=False) == 'cudnn'
+    assert route(Software((2, 14, 1), (12, 1), (9, 2, 0)), False, half=False) == 'native'  # cuDNN before 9.3
+    # within 32-bit indexing: the same in every release
+    for software in RELEASES:
+        assert route(software, True, fits=True) == route(software, False, fits=True) == 'cudnn'
+        assert route(software, False, half=False, fits=True) == route(software, False, shape=False, fits=True) \
+            == 'native'
+
+
+def test_a_contiguous_depthwise_convolution_is_capped_by_its_input_under_torch_1_12_only():
+    """Convolution.cpp, use_cudnn_depthwise at v1.12.1 (no 64-bit route) against v2.9.1 and v2.14.1 (cuDNN 9.3+
+    takes an input past 32-bit indexing); DepthwiseConv2d.cu, conv_depthwise2d_forward_out checks its input and
+    output (the v1.12.1 wheel's "Expected canUse32BitIndexMath(input) && canUse32BitIndexMath(output)"). A bfloat16
+    convolution never has the float16 cuDNN shape: the RTX 3090 table's torch 1.12.1 ran these on PyTorch's kernel."""
+    conv = lambda: F.conv2d(torch.randn(4, 64, 96, 96), torch.randn(64, 1, 7, 7), padding=3, groups=64)
+    sizes = _per_sample(conv, 4, torch.bfloat16)
+    batch, why = launch_limit(sizes, V112)
+    assert batch == MOST // (64 * 96 * 96) and 'torch 1.12.1' in why and "32-bit kernel" in why
+    assert launch_limit(sizes, V291_CU130) == launch_limit(sizes, V2141) == (None, '')
+
+
+def test_a_channels_last_depthwise_input_past_2_31_fails_under_torch_2_9_1s_cudnn_and_not_2_14_1s():
+    """Convolution.cpp, use_cudnn_depthwise at v2.9.1 (`cudnn_version > 91000` refuses a channels-last 64-bit
+    depthwise convolution: both 2.9.1 wheels' cuDNN, 9.10.2 and 9.13.0) and v2.14.1 (`> 91000 && < 91500`: its 9.24
+    takes it); refused, PyTorch's 32-bit kernel cannot launch it. Within 32-bit indexing channels-last always ran
+    cuDNN, so an output larger than the input binds nothing."""
+    x = lambda: torch.randn(4, 16, 96, 96).to(memory_format=torch.channels_last)
+    doubled = lambda: F.conv2d(x(), torch.randn(32, 1, 3, 3), padding=1, groups=16)
+    sizes = _per_sample(doubled, 4)
+    for software in (V291_CU128, V291_CU130):
+        batch, why = launch_limit(sizes, software)
+        assert batch == MOST // (16 * 96 * 96) and "channels-last depthwise convolution's input" in why
+        assert str(software) in why
+    assert launch_limit(sizes, V2141) == launch_limit(sizes, V112) == (None, '')
+    # a contiguous run's sizes as a channels-last run records them (the saver channels-last)
+    contiguous = _per_sample(lambda: F.conv2d(torch.randn(4, 16, 96, 96), torch.randn(32, 1, 3, 3), padding=1,
+                                              groups=16), 4)
+    assert as_channels_last(contiguous) == sizes
+
+
+def test_flash_attentions_grid_limit_follows_the_releases_backend_choice():
+    """aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, select_sdp_backend and check_prefer_cudnn_attention:
+    v1.12.1 has no scaled_dot_product_attention (torch/nn/functional.py of its wheel); v2.9.1 and v2.14.1 run flash
+    on sm120; on sm90 v2.14.1 prefers cuDNN, whose check_cudnn_tensor_shapes refuses more than 65535 rows (flash runs
+    them, and its grid cannot), while the v2.9.1 cu130 build prefers cuDNN and has no such check."""
+    q = lambda: torch.randn(64, 3, 49, 32)  # 64 windows of one sample
+    plain = _per_sample(lambda: F.scaled_dot_product_attention(q(), q(), q()), 1)
+    assert launch_limit(plain, V112) == (None, '')
+    for software in (V291_CU128, V291_CU130, V2141):
+        batch, why = launch_limit(plain, software)
+        assert batch == 1023 and '65536' in why and str(software) in why
+    assert launch_limit(plain, V2141, (9, 0), {})[0] == 1023
+    assert launch_limit(plain, V291_CU130, (9, 0), {}) == (None, '')
+    assert launch_limit(plain, V291_CU128, (9, 0), {})[0] == 1023  # built against cuDNN 9.8: never prefers it

@@ -1,27 +1,44 @@
-"""scaled_dot_product_attention on CUDA: which backend torch 2.14.1 picks, and what it holds beyond the CPU trace.
+"""scaled_dot_product_attention on CUDA: which backend a torch release picks, and what it holds beyond the CPU trace.
 
 The trace runs on CPU, where `scaled_dot_product_attention` runs `_scaled_dot_product_flash_attention_for_cpu`
 (without dropout, and without a mask that needs a gradient: those run CPU's math path, whose ops the trace already
 records). That op saves its output and a float32 logsumexp (batch x heads x queries), as CUDA's flash kernel does.
 `describe_attention` writes the call's shapes and flags into the event log; `attention_allocations` picks the CUDA
-backend for the card (`cuda_attention_backend`) and gives what that backend allocates beyond the CPU op.
+backend for the card and the software (`cuda_attention_backend`) and gives what that backend allocates beyond the
+CPU op.
 
-Backend choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend` and the
-`can_use_*` checks; read against the installed libtorch_cuda.so, whose warning strings and `priority_order` match):
+Which releases have it (`sdpa_available`): torch.nn.functional.scaled_dot_product_attention appeared in torch 2.0;
+torch 1.12.1's torch/nn/functional.py (its PyPI wheel) has only the private `_scaled_dot_product_attention` that
+`MultiheadAttention` calls, so a 1.12.1 run computes attention op by op (timm falls back to its unfused path).
 
-* order: flash, memory-efficient, math, cuDNN; cuDNN first (`check_prefer_cudnn_attention`) on compute capability
-  9.x and 10.x when the runtime cuDNN is newer than 9.15.0 (the wheel ships 9.24) and TORCH_CUDNN_SDPA_DEPRIORITIZED
-  is not "1";
+Backend choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend`, `priority_order`,
+`check_prefer_cudnn_attention` and the `can_use_*` checks). v2.14.1: read against the installed libtorch_cuda.so
+(warning strings; `select_sdp_backend` disassembled: preference when the runtime cuDNN > 91500 and the major is 9 or
+10). v2.9.1: read from a stored sdp_utils.cpp whose checks match the v2.9.1 PyPI wheel's libtorch_cuda.so (the
+TORCH_CUDNN_SDPA_PREFERRED switch, the cuDNN dropout window "9.11 - 9.13", no cuDNN batch check, no d256 backward
+check), and against that wheel's binary:
+
+* order: flash, memory-efficient, math, cuDNN, unless cuDNN is preferred (`cudnn_preferred`), then cuDNN first:
+  * v2.14.1: compute capability 9.x or 10.x, the runtime cuDNN newer than 9.15.0, and TORCH_CUDNN_SDPA_DEPRIORITIZED
+    not "1";
+  * v2.9.1: compute capability 9.0 or 10.0 (minor 0), cuDNN 9.9 or newer at build time (`#if CUDNN_VERSION`), and
+    TORCH_CUDNN_SDPA_PREFERRED not "0" (on unless switched off). The PyPI cu128 wheel was built against cuDNN 9.8.0
+    (its `torch._C._cudnn.getCompileVersion`, disassembled), so its `select_sdp_backend` never prefers cuDNN; the
+    cu130 build is assumed built against the cuDNN it ships (9.13.0): not read;
 * every fused kernel takes 4-d inputs only (`check_tensor_shapes`);
-* flash: float16/bfloat16, sm80 to sm121, no mask, query, key and value of one head size of at most 256; in training
-  not a head size in (192, 224], nor above 224 with dropout, on sm86-sm89 and sm120-sm121;
-* memory-efficient: sm50 to sm121, float32 or float16 (bfloat16 from sm80), query and key of one head size, both head
-  sizes divisible by `minimum_gemm_alignment` (8 for half inputs, 4 for float32 from sm80, else 1);
-* cuDNN: float16/bfloat16, sm80 to sm121, head sizes multiples of 8 of at most 256 (128 where they differ), more
-  than one key, and in training on 9.0/10.x head sizes of at most 128 (the binary says "does not support backward
-  with these head dimensions"; the bound of 128 is an assumption).
+* flash (both releases): float16/bfloat16, sm80 to sm121, no mask, query, key and value of one head size of at most
+  256; in training not a head size in (192, 224], nor above 224 with dropout, on sm86-sm89 and sm120-sm121;
+* memory-efficient (both): sm50 to sm121, float32 or float16 (bfloat16 from sm80), query and key of one head size,
+  both head sizes divisible by `minimum_gemm_alignment` (8 for half inputs, 4 for float32 from sm80, else 1);
+* cuDNN, both: float16/bfloat16, sm80 to sm121, head sizes multiples of 8, more than one key;
+  * v2.14.1: head sizes of at most 256 (128 where they differ), in training on 9.0/10.x at most 128 (the binary says
+    "does not support backward with these head dimensions"; the bound of 128 is an assumption), and a batch and a
+    head count of at most 65535 (`check_cudnn_tensor_shapes`: above it cuDNN refuses and the next backend runs);
+  * v2.9.1: head sizes of at most 128, 256 on sm90 (9.0) when built against cuDNN 9.10 or newer
+    (`check_cudnn_tensor_shapes` reads the build's `versionCuDNN`); no batch check.
 
-What each holds beyond the CPU op:
+What each holds beyond the CPU op (the same kernels in v2.9.1 and v2.14.1: flash-attention 2 and the cutlass
+memory-efficient kernels; read at v2.14.1, assumed unchanged in v2.9.1):
 
 * flash's backward (flash_attn/flash_api.cpp, `mha_bwd`): float32 accumulators for dq (batch x queries rounded to
   128 x heads x head size rounded to 32, 64 above 128) and the softmax row sums (batch x heads x queries rounded to
@@ -31,10 +48,11 @@ What each holds beyond the CPU op:
   from sm70), and for half inputs with head sizes above the kernel's block (`kNeedsAccumGradK/V`) dk and dv
   accumulators; the tiles are `MEM_EFFICIENT_TILE` (an assumption: the kernel is picked at run time);
 * the math path (attention.cpp, `_scaled_dot_product_attention_math`): half inputs computed in float32
-  (`allow_fp16_bf16_reduction_math_sdp` off by default): the query and key scaled by the root of the scale, the
-  batch x heads x queries x keys scores and their softmax. Without a gradient all of it lives for the op; in
-  training autograd keeps the scaled query and key, the softmax and the float32 value until the op's backward,
-  which holds float32 gradients of the softmax, of its input, and of the operands for its own time.
+  (`allow_fp16_bf16_reduction_math_sdp` off by default; the switch is in both releases' torch.backends.cuda): the
+  query and key scaled by the root of the scale, the batch x heads x queries x keys scores and their softmax. Without
+  a gradient all of it lives for the op; in training autograd keeps the scaled query and key, the softmax and the
+  float32 value until the op's backward, which holds float32 gradients of the softmax, of its input, and of the
+  operands for its own time. A release without the op (1.12.1) is priced as this path, should a trace hold the op.
 
 Not modelled: cuDNN attention's workspace (its engine picks it at run time), the memory-efficient kernel's padded
 mask copy and its logsumexp's queries rounded to 32, flash's padded copies of head sizes that are not multiples of
@@ -44,32 +62,107 @@ mask that needs a gradient).
 import os
 from typing import Iterator, List, Mapping, Optional, Tuple
 
-__all__ = ['ASSUMED_COMPUTE_CAPABILITY', 'MEM_EFFICIENT_TILE', 'cuda_attention_backend', 'describe_attention',
-           'attention_allocations']
+from .versions import PINNED, Software
+
+__all__ = ['ASSUMED_COMPUTE_CAPABILITY', 'MEM_EFFICIENT_TILE', 'CUDNN_ATTENTION_ROWS', 'sdpa_available',
+           'cudnn_preferred', 'cuda_attention_backend', 'describe_attention', 'attention_allocations']
 
 # the card assumed where none is named: the newest generation of the named cards (RTX 5090, RTX Pro 6000: sm120)
 ASSUMED_COMPUTE_CAPABILITY = (12, 0)
 MEM_EFFICIENT_TILE = 64  # assumption: kBlockSizeI and MatmulGradQ's kN of the sm80 kernels for head sizes <= 128
+CUDNN_ATTENTION_ROWS = 65535  # v2.14.1 check_cudnn_tensor_shapes: max_cudnn_dim_size, for the batch and the heads
 FORWARD = '_scaled_dot_product_flash_attention_for_cpu.default'
 BACKWARD = '_scaled_dot_product_flash_attention_for_cpu_backward.default'
 _HALF = ('torch.float16', 'torch.bfloat16')
-_NEWEST_FUSED = (12, 1)  # sm121: the top of every fused kernel's range in 2.14.1
-_CUDNN_PREFERRED_ABOVE = 91500  # check_prefer_cudnn_attention: runtime cuDNN > 9.15.0
-WHEEL_CUDNN_VERSION = 92400  # nvidia-cudnn-cu13 9.24.0.43, the cuDNN torch 2.14.1+cu130 installs
+_NEWEST_FUSED = (12, 1)  # sm121: the top of every fused kernel's range in 2.9.1 and 2.14.1
+_CUDNN_PREFERRED_ABOVE = 91500  # v2.14.1 check_prefer_cudnn_attention: runtime cuDNN > 9.15.0
+_CUDNN_PREFERRED_BUILT_FROM = 90900  # v2.9.1 check_prefer_cudnn_attention: #if CUDNN_VERSION >= 90900
+_CUDNN_WIDE_HEADS_BUILT_FROM = 91000  # v2.9.1 check_cudnn_tensor_shapes: head sizes up to 256 on sm90 from 9.10.0
+# the cuDNN a v2.9.1 build was compiled against, by CUDA major: the PyPI cu128 wheel's getCompileVersion (9.8.0);
+# CUDA 13 builds: assumed their wheel's runtime cuDNN (not read)
+_V291_BUILT_CUDNN = {12: 90800}
 
 
-def _flag(environ: Mapping[str, str], name: str) -> bool:
-    """c10::utils::check_env: "1" is true; anything else is not."""
-    return environ.get(name) == '1'
+def _release(software: Software) -> Tuple[int, int, int]:
+    """The covered torch release whose sdp_utils.cpp rules apply (by torch, the versions module models the rest)."""
+    if software.torch < (2, 0, 0):
+        return 1, 12, 1
+    return (2, 9, 1) if software.torch < (2, 14, 0) else (2, 14, 1)
+
+
+def sdpa_available(software: Optional[Software] = None) -> bool:
+    """Whether the release has torch.nn.functional.scaled_dot_product_attention (torch 2.0 on; the module doc).
+
+    Args:
+        software: The run's (default: `versions.PINNED`).
+    """
+    return _release(software or PINNED) >= (2, 0, 0)
+
+
+def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:
+    """c10::utils::check_env: "1" is true, "0" false, anything else (or unset) no answer."""
+    return {'1': True, '0': False}.get(environ.get(name, ''))
+
+
+def _built_cudnn(software: Software) -> int:
+    """The cuDNN version a build was compiled against (CUDNN_VERSION), for v2.9.1's compile-time checks."""
+    return _V291_BUILT_CUDNN.get((software.cuda or (0,))[0], software.cudnn_number)
+
+
+def cudnn_preferred(compute_capability: Tuple[int, int], software: Optional[Software] = None,
+                    environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether `priority_order` puts cuDNN attention first (`check_prefer_cudnn_attention`, the module doc).
+
+    Args:
+        compute_capability: The card's.
+        software: The run's (default: `versions.PINNED`).
+        environ: The run's environment (default: this process's).
+    """
+    software = software or PINNED
+    environ = os.environ if environ is None else environ
+    release = _release(software)
+    if release == (2, 14, 1):
+        return (compute_capability[0] in (9, 10) and software.cudnn_number > _CUDNN_PREFERRED_ABOVE
+                and _flag(environ, 'TORCH_CUDNN_SDPA_DEPRIORITIZED') is not True)
+    if release == (2, 9, 1):
+        return (compute_capability in ((9, 0), (10, 0)) and _built_cudnn(software) >= _CUDNN_PREFERRED_BUILT_FROM
+                and _flag(environ, 'TORCH_CUDNN_SDPA_PREFERRED') is not False)
+    return False
+
+
+def _cudnn_can_run(release: Tuple[int, int, int], software: Software, cc: Tuple[int, int], half: bool,
+                   head_qk: int, head_v: int, keys: int, training: bool, rows: Optional[int]) -> bool:
+    """`can_use_cudnn_attention` for dense inputs (the module doc)."""
+    if not (half and (8, 0) <= cc <= _NEWEST_FUSED and head_qk % 8 == 0 and head_v % 8 == 0 and keys > 1):
+        return False
+    if release == (2, 9, 1):
+        wide = cc == (9, 0) and _built_cudnn(software) >= _CUDNN_WIDE_HEADS_BUILT_FROM
+        return max(head_qk, head_v) <= (256 if wide else 128)
+    widest = 256 if head_qk == head_v else 128
+    backward_ok = not (training and cc[0] in (9, 10) and max(head_qk, head_v) > 128)
+    return max(head_qk, head_v) <= widest and backward_ok and (rows is None or rows <= CUDNN_ATTENTION_ROWS)
 
 
 def cuda_attention_backend(dtype: str, head_qk: int, head_v: int, keys: int, four_d: bool, masked: bool,
                            dropout: bool, training: bool, compute_capability: Optional[Tuple[int, int]] = None,
-                           environ: Optional[Mapping[str, str]] = None) -> str:
-    """The backend `select_sdp_backend` picks: 'flash', 'efficient', 'cudnn' or 'math' (see the module doc)."""
+                           environ: Optional[Mapping[str, str]] = None, software: Optional[Software] = None,
+                           rows: Optional[int] = None) -> str:
+    """The backend `select_sdp_backend` picks: 'flash', 'efficient', 'cudnn' or 'math' (see the module doc).
+
+    Args:
+        dtype, head_qk, head_v, keys, four_d, masked, dropout, training: The call's.
+        compute_capability: The card's; unknown: `ASSUMED_COMPUTE_CAPABILITY`.
+        environ: The run's environment (default: this process's).
+        software: The run's (default: `versions.PINNED`); a release without the op runs 'math' (the module doc).
+        rows: The batch (x windows) of the call, where it matters: v2.14.1's cuDNN refuses more than 65535.
+    """
+    software = software or PINNED
+    release = _release(software)
     cc = compute_capability or ASSUMED_COMPUTE_CAPABILITY
     environ = os.environ if environ is None else environ
     half = dtype in _HALF
+    if not four_d or not sdpa_available(software):
+        return 'math'
 
     def flash() -> bool:
         narrow = (8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)
@@ -82,18 +175,12 @@ def cuda_attention_backend(dtype: str, head_qk: int, head_v: int, keys: int, fou
         return (5, 0) <= cc <= _NEWEST_FUSED and dtype_ok and head_qk % alignment == 0 and head_v % alignment == 0
 
     def cudnn() -> bool:
-        widest = 256 if head_qk == head_v else 128
-        backward_ok = not (training and cc[0] in (9, 10) and max(head_qk, head_v) > 128)
-        return (half and (8, 0) <= cc <= _NEWEST_FUSED and head_qk % 8 == 0 and head_v % 8 == 0
-                and max(head_qk, head_v) <= widest and keys > 1 and backward_ok)
+        return _cudnn_can_run(release, software, cc, half, head_qk, head_v, keys, training, rows)
 
     checks = {'flash': flash, 'efficient': efficient, 'math': lambda: True, 'cudnn': cudnn}
     order = ['flash', 'efficient', 'math', 'cudnn']
-    if cc[0] in (9, 10) and WHEEL_CUDNN_VERSION > _CUDNN_PREFERRED_ABOVE \
-            and not _flag(environ, 'TORCH_CUDNN_SDPA_DEPRIORITIZED'):
+    if cudnn_preferred(cc, software, environ):
         order = ['cudnn', 'flash', 'efficient', 'math']
-    if not four_d:
-        return 'math'
     return next(name for name in order if checks[name]())
 
 
@@ -146,13 +233,21 @@ def _math(backward: bool, training: bool, half: bool, batch: int, heads: int, qu
 
 
 def attention_allocations(signature: str, numbers: List[int], compute_capability: Optional[Tuple[int, int]] = None,
-                          environ: Optional[Mapping[str, str]] = None) -> Iterator[Tuple[int, str, str]]:
-    """What the CUDA backend for a `describe_attention` call allocates beyond the CPU op, as (bytes, life, key)."""
+                          environ: Optional[Mapping[str, str]] = None,
+                          software: Optional[Software] = None) -> Iterator[Tuple[int, str, str]]:
+    """What the CUDA backend for a `describe_attention` call allocates beyond the CPU op, as (bytes, life, key).
+
+    Args:
+        signature, numbers: What `describe_attention` wrote (the numbers scaled to the replayed batch).
+        compute_capability: The card's (default: `ASSUMED_COMPUTE_CAPABILITY`).
+        environ: The run's environment (default: this process's).
+        software: The run's (default: `versions.PINNED`): the backend is that release's choice.
+    """
     _, where, dtype, shape, mask, mode = signature.split(' ')
     batch, heads, queries, keys, head_qk, head_v = numbers
     backward, training, half = where == 'backward', mode == 'training', dtype in _HALF
     backend = cuda_attention_backend(dtype, head_qk, head_v, keys, shape == '4-d', mask == 'masked', False,
-                                     training, compute_capability, environ)
+                                     training, compute_capability, environ, software, rows=batch)
     if backend == 'math':
         yield from _math(backward, training, half, batch, heads, queries, keys, head_qk, head_v)
     elif backend == 'flash' and backward:
