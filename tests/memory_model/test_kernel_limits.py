@@ -1,5 +1,7 @@
 """The kernels' launch limits against the sources they were read from: torch 2.14.1 where a test names no release
 (`versions.PINNED`, `launch_limit`'s default), each covered release where the rule differs."""
+import json
+
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -154,3 +156,21 @@ def test_flash_attentions_grid_limit_follows_the_releases_backend_choice():
     assert launch_limit(plain, V2141, (9, 0), {})[0] == 1023
     assert launch_limit(plain, V291_CU130, (9, 0), {}) == (None, '')
     assert launch_limit(plain, V291_CU128, (9, 0), {})[0] == 1023  # built against cuDNN 9.8: never prefers it
+
+
+def test_the_trace_records_version_neutral_facts_as_json():
+    """What KernelSizes records decides no route (the trace runs once, with torch 2.14.1, and is replayed for every
+    release): a depthwise convolution's layout, dtype and float16 cuDNN shape (Convolution.cpp,
+    check_cudnn_depthwise_workload_with_filter: 32+ channels, a 3x3 filter at stride 1) with its input and output
+    elements, and an attention call's dtype, rank, mask, mode, head sizes and keys with its rows."""
+    def run():
+        F.conv2d(torch.randn(2, 32, 16, 16), torch.randn(64, 1, 3, 3), padding=1, groups=32)
+        q = torch.randn(2, 3, 49, 32)
+        F.scaled_dot_product_attention(q, q, q)
+    sizes = _per_sample(run, 2)
+    assert sizes == {'depthwise contiguous float16 cudnn-shape input': 32 * 16 * 16,
+                     'depthwise contiguous float16 cudnn-shape output': 64 * 16 * 16,
+                     'depthwise contiguous float16 cudnn-shape grown': 64 * 16 * 16,
+                     'convolution': 64 * 16 * 16,
+                     'attention torch.float16 4-d unmasked inference 32 32 49': 1}
+    assert json.loads(json.dumps(sizes)) == sizes

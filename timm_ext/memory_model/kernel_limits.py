@@ -14,9 +14,10 @@ each op `KernelSizes` knows; `launch_limit` decides the route, and so the limit,
   * every release sends a contiguous float16 depthwise convolution of 32 channels or more, square stride (or 1-d),
     no dilation, whose filter and width pass `check_cudnn_depthwise_workload_with_filter`, to cuDNN (the "cuDNN
     shape" recorded at trace time);
-  * v1.12.1 (the PyPI wheel's libtorch_cpu.so, `use_cudnn_depthwise` disassembled: no 32-bit test at all; warning
-    and check texts of DepthwiseConv2d.cu in its libtorch_cuda.so): every channels-last one goes to cuDNN, and every
-    other contiguous one to PyTorch's kernel, whatever its size: the limit is its input or output, the larger;
+  * v1.12.1 (the PyPI wheel's libtorch_cpu.so, a cu102 build of the same source as the table's cu113 one,
+    `use_cudnn_depthwise` disassembled: no 32-bit test at all, cuDNN version tests 7603, 7600 and 8200 only; the check
+    texts of DepthwiseConv2d.cu in its libtorch_cuda.so): every channels-last one goes to cuDNN, and every other
+    contiguous one to PyTorch's kernel, whatever its size: the limit is its input or output, the larger;
   * v2.9.1 and v2.14.1 (their wheels' libtorch_cpu.so, `use_cudnn_depthwise` disassembled; the warning "Upgrade
     cuDNN or enable the V8 API to use cuDNN for 64-bit depthwise convolutions" in both): an input or weight past
     32-bit indexing goes to cuDNN when the runtime cuDNN is 9.3 or newer (its v8 API on, the default), except a
