@@ -19,6 +19,7 @@ from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.errors import TimmExtError
 from timm_ext.memory import free_memory
 from timm_ext.memory_model.allocator_config import allocator_config
+from timm_ext.memory_model.versions import run_software
 from timm_ext.probe.grids import default_grid
 from timm_ext.validate.batch_estimate import estimate_eval_batch
 from timm_ext.validate.results import write_results
@@ -65,8 +66,8 @@ def plan_from_estimate(args, argv) -> int:
     """--estimate: the largest batch predicted within --mem-budget, and the command that validates at it."""
     device_type = args.device.split(':', 1)[0]
     try:
-        if device_type == 'cuda':  # the allocator options the run starts with: torch's reading, or one line
-            allocator_config()
+        if device_type == 'cuda':  # the allocator options the run starts with: its torch's reading, or one line
+            allocator_config(software=run_software(args.software)[0])
         planned = estimate_eval_batch(args, args.model, device_type, args.mem_budget)
     except TimmExtError as e:
         return fail(str(e), getattr(e, 'exit_status', 1))

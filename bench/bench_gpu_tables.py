@@ -263,7 +263,7 @@ def trace(key: str) -> dict:
     args, _ = parse_args(['--model', model, '--img-size', img_size, '--device', 'cuda', '--num-classes', '1000',
                           *flags])
     args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
-    args.software = f'torch={torch_release}'  # the trace follows that release (its autocast lists, its attention)
+    args.software = f'torch={torch_release}'  # the trace follows that release: its autocast lists, its attention
     try:
         e = estimate_memory(args, 'cuda', step_kind='train' if kind == 'train' else 'validate')
     except EstimateError as error:
@@ -290,7 +290,7 @@ def predicted(entry: dict, source: str, headroom: float = 0.0) -> int:
 
 def usable_bytes(table: Table) -> int:
     """What the caching allocator had on the table's card: its memory less the CUDA context of its software."""
-    return CARDS[table.card_name].allocator_bytes
+    return CARDS[table.card_name].allocator_bytes_for(table.software)
 
 
 def largest(estimate, table: Table, headroom: float = 0.0) -> int:
@@ -387,7 +387,7 @@ def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, d
         lines.append('')
     if failed:
         lines += [f'Not traced ({len(failed)}): {", ".join(failed)}.', '']
-    lines += cap_lines(judged) if table.compiled else workspace_lines(table, rows, cache)
+    lines += limit_lines(judged) + ([] if table.compiled else workspace_lines(table, rows, cache))
     low = [(r, b) for r, _, b in judged if not r['next_rung']]
     reached = sum(b >= r['batch'] for r, b in low)
     return lines + [f'Lower bounds (rows at the start value {table.start}): the estimate reaches {reached} of '
@@ -395,23 +395,22 @@ def table_report(source: str, table: Table, rows: List[dict], cache: Dict[str, d
                                                             if b < r['batch']) if reached < len(low) else '') + '.', '']
 
 
-def cap_lines(judged: List[tuple]) -> List[str]:
-    """The compiled launch cap (`kernel_limits.CONVOLUTION` in a compiled trace) against a compiled table's (row,
-    estimate, predicted batch): the rows whose prediction it holds, those of them within the rung, and every row it
-    caps below the batch the table ran (a wrong cap)."""
-    from timm_ext.memory_model.kernel_limits import COMPILED_TENSOR, CONVOLUTION, launch_limit
+def limit_lines(judged: List[tuple]) -> List[str]:
+    """The kernel launch limits of the table's release (`MemoryEstimate.launch_limit`) against its (row, estimate,
+    predicted batch): the rows whose prediction a limit holds, those of them within the rung, and every row a limit
+    caps below the batch the table ran (a wrong limit)."""
     held, in_rung, wrong = 0, 0, []
     for r, estimate, b in judged:
-        cap = launch_limit({k: v for k, v in estimate.kernel_sizes.items() if k in (CONVOLUTION, COMPILED_TENSOR)})[0]
+        cap = estimate.launch_limit[0]
         if cap is None:
             continue
         held += b == cap
         in_rung += b == cap and r['batch'] <= cap < (r['next_rung'] or cap + 1)
         if cap < r['batch']:
             wrong.append(f"{r['model']}@{r['img_size']} {cap} (ran {r['batch']})")
-    return [f'The compiled cap (a convolution of the compiled graphs reaching 2**31 elements) holds the prediction '
-            f'of {held} rows, {in_rung} of them within the rung; it caps {len(wrong)} of {len(judged)} rows below '
-            f'the batch the table ran' + (f": {', '.join(wrong)}." if wrong else '.'), '']
+    return [f'Kernel launch limits of this release hold the prediction of {held} rows, {in_rung} of them within the '
+            f'rung; they cap {len(wrong)} of {len(judged)} rows below the batch the table ran'
+            + (f": {', '.join(wrong)}." if wrong else '.'), '']
 
 
 def measure_headroom(rows: List[dict], cache: Dict[str, dict]) -> dict:
@@ -506,7 +505,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.write_headroom:
         measured = measure_headroom(rows, cache)
         write_headroom(measured)
-        print(f'headroom written: ' + ', '.join(f"{step} {m['fraction']:.1%}" for step, m in measured.items()))
+        print('headroom written: ' + ', '.join(f"{step} {m['fraction']:.1%}" for step, m in measured.items()))
     lines = report(rows, cache, time.perf_counter() - started)
     with open(args.output, 'w') as f:
         f.write('\n'.join(lines) + '\n')

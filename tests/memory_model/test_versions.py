@@ -110,3 +110,18 @@ def test_a_plan_names_the_faked_torch_and_the_release_used_instead(torch_2_6, ca
     assert "torch 2.9.1, CUDA 12.4, cuDNN 9.1.0's rules" in out  # the assumptions name the rules applied
     assert module.main(plan + ['--software', 'torch=2.14.1']) == 0
     assert 'Software modelled: torch 2.14.1, CUDA 13.0, cuDNN 9.24.0 (named by --software' in capsys.readouterr().out
+
+
+def test_a_release_without_sdpa_traces_timm_attention_unfused():
+    """torch 1.12.1 has no F.scaled_dot_product_attention (kernels_attention.sdpa_available): timm ran its own
+    matmul-softmax-matmul there, so the trace builds the model unfused; 2.14.1 records its fused attention calls."""
+    from timm_ext.memory_model.estimate import estimate_memory
+    from timm_ext.train.args import parse_args
+    args, _ = parse_args(['--model', 'test_vit', '--img-size', '32', '--num-classes', '3', '--device', 'cuda', '--amp'])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    attention = {}
+    for spec in ('torch=1.12.1', 'torch=2.14.1'):
+        args.software = spec
+        estimate = estimate_memory(args, 'cuda', batches=(4, 8), step_kind='validate')
+        attention[spec] = [name for name in estimate.kernel_sizes if name.startswith('attention')]
+    assert attention['torch=1.12.1'] == [] and attention['torch=2.14.1']

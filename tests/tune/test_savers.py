@@ -15,7 +15,7 @@ from timm_ext.memory_model.predict import CudaReplay
 from timm_ext.memory_model.devices import device_model, onednn_runs
 from timm_ext.memory_model.estimate import MemoryEstimate
 from timm_ext.memory_model.trace_pool import estimate_each
-from timm_ext.memory_model.kernel_limits import CONVOLUTION, KernelSizes
+from timm_ext.memory_model.kernel_limits import CONVOLUTION, KernelSizes, as_channels_last
 from timm_ext.memory_model.live_bytes import CATEGORIES
 from timm_ext.train.args import given_dests, parse_args
 from timm_ext.tune import estimate_plan
@@ -137,10 +137,10 @@ def test_a_rule_prices_its_saver_as_the_savers_own_trace_does(cuda_traces, name,
 
 
 def test_channels_last_depthwise_convolutions_lose_the_native_kernels_launch_limit():
-    """aten/src/ATen/native/Convolution.cpp, `use_cudnn_depthwise` (timm_ext/memory_model/kernel_limits.py): cuDNN
-    takes every channels-last depthwise convolution, so the 32-bit limit of PyTorch's own kernel (an output larger
-    than its input: padding 3 around a 3x3 filter) goes: the rule's launch limits are what the trace's recorder
-    (`KernelSizes`) records for the channels-last input."""
+    """aten/src/ATen/native/Convolution.cpp, `use_cudnn_depthwise`, v2.14.1 (timm_ext/memory_model/kernel_limits.py):
+    with cuDNN 9.24 cuDNN takes every channels-last depthwise convolution, so the 32-bit limit of PyTorch's own kernel
+    (an output larger than its input: padding 3 around a 3x3 filter) goes: the rule's launch limits are what the
+    trace's recorder (`KernelSizes`) records for the channels-last input."""
     conv = torch.nn.Conv2d(32, 32, 3, padding=3, groups=32)
     recorded = []
     for memory_format in (torch.contiguous_format, torch.channels_last):
@@ -148,8 +148,10 @@ def test_channels_last_depthwise_convolutions_lose_the_native_kernels_launch_lim
             conv(torch.zeros(2, 32, 8, 8).contiguous(memory_format=memory_format))
         recorded.append({name: size / 2 for name, size in sizes.sizes.items()})
     as_is, channels_last = recorded
-    convolution = {CONVOLUTION: 32 * 12 * 12}  # every convolution's size: a limit in a compiled trace only
-    assert as_is == {'depthwise native': 32 * 12 * 12, **convolution} and channels_last == convolution
+    facts = 'float32 cudnn-shape'  # float32: cuDNN's float16 shape rule does not take it
+    assert as_is == {f'depthwise contiguous {facts} input': 32 * 8 * 8, f'depthwise contiguous {facts} output': 32 * 144,
+                     f'depthwise contiguous {facts} grown': 32 * 144, CONVOLUTION: 32 * 144}
+    assert channels_last == as_channels_last(as_is) != as_is
     run = MemoryEstimate({}, {}, device_model('cuda'), '', 0.0, kernel_sizes=as_is)
     assert same_layout_bytes(run).kernel_sizes == channels_last
     assert run.launch_limit[0] is not None and same_layout_bytes(run).launch_limit[0] is None  # 2**31, then cuDNN

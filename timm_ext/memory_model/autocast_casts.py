@@ -30,7 +30,7 @@ The lists are the torch release's (`cuda_float32_functions`, `cuda_float32_outpu
   fp32_set_opt_dtype has no `linalg_vector_norm` / `linalg_matrix_norm` (`norm` was fp32_append_dtype, which also
   returns float32 from the half input).
 """
-from typing import Any, FrozenSet, Optional, Tuple
+from typing import Any, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +102,16 @@ def _to_float32(value: Any) -> Any:
     return value
 
 
+def _casts(func, args: tuple, kwargs: dict, float32_functions: FrozenSet, upsampling: bool) -> bool:
+    if func is F.interpolate:
+        mode = args[3] if len(args) > 3 else kwargs.get('mode', 'nearest')
+        return upsampling and mode in _UPSAMPLING
+    return func in float32_functions
+
+
+_ENTERED: List[tuple] = []  # the lists of each CudaAutocastCasts entered, innermost last
+
+
 class CudaAutocastCasts(TorchFunctionMode):
     """While CPU autocast is on, run CUDA autocast's float32 functions as CUDA autocast runs them.
 
@@ -111,22 +121,27 @@ class CudaAutocastCasts(TorchFunctionMode):
 
     def __init__(self, software: Optional[Software] = None):
         super().__init__()
-        self.float32_functions = cuda_float32_functions(software)
-        self.output_functions = cuda_float32_output_functions(software)
-        self.upsampling = casts_upsampling(software)
+        self._lists = (cuda_float32_functions(software), cuda_float32_output_functions(software),
+                       casts_upsampling(software))
 
-    def _casts(self, func, args: tuple, kwargs: dict) -> bool:
-        if func is F.interpolate:
-            mode = args[3] if len(args) > 3 else kwargs.get('mode', 'nearest')
-            return self.upsampling and mode in _UPSAMPLING
-        return func in self.float32_functions
+    # the lists live in a module global while the mode is entered, not on the mode: TorchDynamo, compiling the step
+    # under the mode, cannot build a guard on a mode's own attributes (torch 2.14.1: "name
+    # '___get_torch_function_mode_stack_at' is not defined"), and it guards a global as any other
+    def __enter__(self):
+        _ENTERED.append(self._lists)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        _ENTERED.pop()
+        return super().__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.is_autocast_enabled('cpu'):
-            if self._casts(func, args, kwargs):
+            float32_functions, output_functions, upsampling = _ENTERED[-1]
+            if _casts(func, args, kwargs, float32_functions, upsampling):
                 args, kwargs = _to_float32(args), {k: _to_float32(v) for k, v in kwargs.items()}
-            elif func in self.output_functions and 'dtype' not in kwargs \
+            elif func in output_functions and 'dtype' not in kwargs \
                     and len(args) <= _DTYPE_POSITION.get(func, len(args)) and args \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype in _HALF:
                 kwargs = {**kwargs, 'dtype': torch.float32}

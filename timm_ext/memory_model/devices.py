@@ -108,7 +108,7 @@ class DeviceModel:
                 is neither here nor named.
         """
         if self.card is not None:
-            return self.card.plan_in(budget, text, outside)
+            return self.card.plan_in(budget, text, outside, self.software)
         if budget.fraction is None:
             return budget.num_bytes, budget.num_bytes
         device = torch.device('cuda' if self.name == 'cuda' else 'cpu')
@@ -178,7 +178,7 @@ def device_model(device_type: str, onednn: bool = False, card: Optional[Card] = 
     one is named, with the rules of `software`, `software_line` saying so: `versions.run_software`; what the compile
     keeps is host memory there)."""
     if device_type == 'cuda':
-        planned = (card.assumptions() if card else 'no card named: the budget is what the caching allocator may use '
+        planned = (card.assumptions(software) if card else 'no card named: the budget is what the caching allocator may use '
                    '(no CUDA context taken off), compute capability unknown (the larger cuBLAS workspace)')
         return DeviceModel(
             'cuda', card=card, software=software, software_line=software_line,

@@ -37,13 +37,14 @@ from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
 from .fake_weights import fake_weights
 from .kernel_limits import KernelSizes
+from .kernels_attention import sdpa_available
 from .live_bytes import CATEGORIES, LiveBytes
 from .predict import CudaReplay, trace_logs
 from .skipped_init import SkippedInit
 from .step_facts import FlopCount, weight_storages
 from .versions import run_software
 
-__all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'in_child']
+__all__ = ['TRACE_BATCHES', 'STEPS', 'EstimateError', 'MemoryEstimate', 'estimate_memory', 'run_device', 'in_child']
 
 TRACE_BATCHES = (16, 32, 64)  # three sizes, a line per category; from 16 on CPU convolutions take NNPACK (oneDNN off)
 WARMUP_BATCH = 2  # the warm-up update that creates the optimizer state (batch norm needs 2 samples)
@@ -62,6 +63,22 @@ def _fit_line(points: Dict[int, int]) -> Tuple[float, float]:
     return mean_v - slope * mean_b, slope
 
 
+@contextlib.contextmanager
+def _attention_of(device: DeviceModel):
+    """timm's attention as the planned release runs it: through F.scaled_dot_product_attention only where that
+    release has it (`kernels_attention.sdpa_available`; torch 1.12 ran timm's own matmul-softmax-matmul)."""
+    if device.name != 'cuda' or sdpa_available(device.software):
+        yield
+        return
+    from timm.layers import config
+    before = config._USE_FUSED_ATTN
+    config.set_fused_attn(False)  # read when each attention module is built
+    try:
+        yield
+    finally:
+        config._USE_FUSED_ATTN = before
+
+
 def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int], step_kind: str) -> MemoryEstimate:
     """`estimate_memory` in this process (which cannot fork CPU trials afterwards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -71,7 +88,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     # dtype on CPU kernels
     estimate_args = with_values(args, sync_bn=False, torchcompile=None, device='cpu')
     lr = args.lr or args.lr_base
-    with SkippedInit():  # the weights' values are replaced by fake storage below: not written at all
+    with SkippedInit(), _attention_of(device):  # the weights' values are replaced by fake storage: not written
         stack = build_training_stack(estimate_args, CPU, lr=lr, with_data=False, compile_model=False, ddp=False)
     if device.name == 'cuda' and args.model_ema_force_cpu:  # its copy and its updates live on the host, not the card
         stack.task.trainable_module_ema = None
@@ -79,7 +96,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # CUDA autocast's float32 ops replayed under CPU autocast (they only act while autocast is on)
-    casts = CudaAutocastCasts() if device.name == 'cuda' else contextlib.nullcontext()
+    casts = CudaAutocastCasts(device.software) if device.name == 'cuda' else contextlib.nullcontext()
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
     flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs
@@ -161,14 +178,14 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
     if device_type == 'cpu':
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
-        return _trace(args, _device(args, device_type, onednn), batches, step_kind).to_json()
+        return _trace(args, run_device(args, device_type, onednn), batches, step_kind).to_json()
     except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
         torch.backends.mkldnn.enabled = mkldnn  # in-process (`in_child`), the caller's setting again
 
 
-def _device(args: argparse.Namespace, device_type: str, onednn: bool) -> DeviceModel:
+def run_device(args: argparse.Namespace, device_type: str, onednn: bool = False) -> DeviceModel:
     """The device model of the run `args` plans: on CUDA its card (`--gpu`) and its software (`--software`, else
     the installed torch's: `timm_ext.memory_model.versions.run_software`)."""
     compiled = args.torchcompile == 'inductor'
@@ -196,7 +213,7 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
     Raises:
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
-    device = _device(args, device_type, onednn)
+    device = run_device(args, device_type, onednn)
     estimate = MemoryEstimate.from_json(_traced(args, device_type, onednn, tuple(batches), step_kind), device)
     if estimate.replay is not None and not estimate.replay.aligned:  # each batch the plan asks is traced on its own
         estimate.replay.retrace = functools.partial(_step_log_at, args, device_type, onednn, step_kind)

@@ -138,7 +138,7 @@ class MemoryEstimate:
     @property
     def launch_limit(self) -> Tuple[Optional[int], str]:
         """The largest batch the device's kernels can launch whatever the memory, and why (None: no limit)."""
-        return launch_limit(self.kernel_sizes)
+        return launch_limit(self.kernel_sizes, self.device.software, self.device.compute_capability)
 
     def table(self, batch_sizes: Sequence[int], budget: Optional[int] = None) -> List[str]:
         """The per-batch table: predicted peak by category, the total, and its share of `budget`."""

@@ -27,7 +27,7 @@ def run_config(compute_capability: Optional[Tuple[int, int]] = None,
     """How the user's run replays: the allocator options as the environment sets them
     (`timm_ext.memory_model.allocator_config.allocator_config`), on a card of `compute_capability` (None: not known),
     with the rules of `software`."""
-    return replays.ReplayConfig(allocator=allocator_config(), compute_capability=compute_capability,
+    return replays.ReplayConfig(allocator=allocator_config(software=software), compute_capability=compute_capability,
                                 software=software)
 
 

@@ -69,9 +69,6 @@ class Software:
         major, minor, patch = self.cudnn
         return major * (10000 if major >= 9 else 1000) + minor * 100 + patch
 
-    def torch_at_least(self, *version: int) -> bool:
-        return self.torch >= version
-
 
 RELEASES: Tuple[Software, ...] = (
     Software((1, 12, 1), (11, 3), (8, 3, 2)),
@@ -171,7 +168,7 @@ def software_flag_problem(text: Optional[str], device: str, estimate: bool) -> O
         return ('argument --software: plans for software that is not here and needs --estimate; add --estimate, or '
                 'drop --software to measure the run here')
     if device.split(':', 1)[0] != 'cuda':
-        return f'argument --software: names CUDA software; drop it, or pass --device cuda to plan for it'
+        return 'argument --software: names CUDA software; drop it, or pass --device cuda to plan for it'
     try:
         parse_software(text)
     except UsageError as e:

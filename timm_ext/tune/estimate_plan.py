@@ -24,10 +24,11 @@ from ..memory import MemoryBudget, default_headroom, format_bytes, parse_budget
 from ..memory_model.allocator_config import allocator_config
 from ..memory_model.cards import find_card
 from ..memory_model.nccl import NCCL_ASSUMPTION, nccl_buffer_bytes
-from ..memory_model.devices import MODELLED_DEVICE_TYPES, device_model, onednn_runs
-from ..memory_model.estimate import EstimateError, MemoryEstimate
+from ..memory_model.devices import MODELLED_DEVICE_TYPES, onednn_runs
+from ..memory_model.estimate import EstimateError, MemoryEstimate, run_device
 from ..memory_model.headroom import estimate_headroom
 from ..memory_model.trace_pool import estimate_each
+from ..memory_model.versions import run_software
 from ..probe.grids import default_grid
 from ..probe.table import NothingFitsError
 from ..train.input_checks import resume_problem
@@ -78,8 +79,8 @@ def check_estimate_inputs(args: argparse.Namespace) -> None:
     if device_type not in MODELLED_DEVICE_TYPES:
         raise UsageError(f'--device {args.device}: --estimate models {" and ".join(MODELLED_DEVICE_TYPES)} memory '
                          f'only; pass --device cuda or cpu, or drop --estimate to probe on the {device_type} device')
-    if device_type == 'cuda':  # the allocator options the run starts with: torch's reading, or one line
-        allocator_config()
+    if device_type == 'cuda':  # the allocator options the run starts with: its torch's reading, or one line
+        allocator_config(software=run_software(getattr(args, 'software', None))[0])
     problem = resume_problem(args)
     if problem:
         raise SetupError(problem)
@@ -256,9 +257,9 @@ def plan_with_estimate(args: argparse.Namespace, given: Set[str]) -> EstimatedRu
     device_type = args.device.split(':', 1)[0]
     world_size = args.nproc * args.nnodes
     budgets = _budgets(args)
-    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
+    device = run_device(args, device_type)
     for text, budget in budgets:  # one that cannot be read here, or that the card cannot give, fails before the trace
-        device_model(device_type, card=card).plan_in(budget, text if args.mem_budget else '')
+        device.plan_in(budget, text if args.mem_budget else '')
     headroom_origin = ''
     if args.mem_headroom is None and device_type == 'cuda':  # the model's measured error on timm's GPU tables
         measured = estimate_headroom('train')

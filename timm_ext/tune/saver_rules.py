@@ -5,8 +5,8 @@ A saver that does not change which ops run, only where or how their bytes live, 
 
 * channels-last (`same_layout_bytes`): every tensor keeps its bytes (channels_last permutes strides, not sizes), so
   the lines and the log are the run's. What differs, and how it is taken: the kernel launch limits read the layout,
-  and a depthwise convolution's channels-last input is not contiguous, so its limit becomes the strided one
-  (`timm_ext.memory_model.kernel_limits`); the input's channels-last copy at the start of the step is not modelled
+  and a depthwise convolution's channels-last input takes the channels-last route of the run's release
+  (`timm_ext.memory_model.kernel_limits.as_channels_last`); the input's channels-last copy at the start of the step is not modelled
   (one input batch, freed before the forward's peak); where a LayerNorm's permuted input becomes contiguous, CUDA's
   layer_norm copy it needed goes (not modelled: the row keeps the run's copies, an overestimate).
 * opt-sgd (`momentum_sgd`): the optimizer state of the run replaced by one momentum buffer per trainable parameter,
@@ -25,6 +25,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..memory_model.estimate import MemoryEstimate
+from ..memory_model.kernel_limits import as_channels_last
 from ..memory_model.predict import CudaReplay
 
 __all__ = ['RuleError', 'same_layout_bytes', 'momentum_sgd', 'host_ema']
@@ -75,10 +76,9 @@ def _with_log(base: MemoryEstimate, log: Optional[dict], lines: Dict, **changes)
 
 
 def same_layout_bytes(base: MemoryEstimate) -> MemoryEstimate:
-    """channels-last: the run's bytes; its depthwise convolutions go to cuDNN, which has no 32-bit launch limit
-    (`timm_ext.memory_model.kernel_limits`: Convolution.cpp's `use_cudnn_depthwise` takes every channels-last one)."""
-    sizes = {signature: size for signature, size in base.kernel_sizes.items() if not signature.startswith('depthwise')}
-    return dataclasses.replace(base, kernel_sizes=sizes)
+    """channels-last: the run's bytes; its depthwise convolutions routed as channels-last ones are
+    (`timm_ext.memory_model.kernel_limits.as_channels_last`: which release's cuDNN takes them decides their limit)."""
+    return dataclasses.replace(base, kernel_sizes=as_channels_last(base.kernel_sizes))
 
 
 def momentum_sgd(base: MemoryEstimate) -> MemoryEstimate:

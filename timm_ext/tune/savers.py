@@ -25,6 +25,7 @@ from ..memory_model.allocator_config import expandable_setting
 from ..memory_model.estimate import MemoryEstimate
 from ..memory_model.predict import CudaReplay
 from ..memory_model.trace_pool import estimate_each
+from ..memory_model.versions import run_software
 from ..train.setup import with_values
 from .plan import RunPlan
 from .saver_rules import RuleError, host_ema, momentum_sgd, same_layout_bytes
@@ -128,18 +129,19 @@ def _smaller_input(args: argparse.Namespace) -> Optional[Saver]:
     return Saver('smaller-img-size', flags, values, f'changes: trains at {side} px')
 
 
-def _expandable_environment() -> Tuple[str, str]:
-    """The allocator setting with expandable segments, in the variable torch reads, the user's other options kept
-    (`expandable_setting`; only `expandable_segments:True` where the user's setting is refused, which planning
+def _expandable_environment(args: argparse.Namespace) -> Tuple[str, str]:
+    """The allocator setting with expandable segments, in the variable the run's torch reads, the user's other options
+    kept (`expandable_setting`; only `expandable_segments:True` where the user's setting is refused, which planning
     reports)."""
     try:
-        return expandable_setting()
+        return expandable_setting(software=run_software(getattr(args, 'software', None))[0])
     except UsageError:
         return 'PYTORCH_ALLOC_CONF', EXPANDABLE_CONF
 
 
 def _all_savers(args: argparse.Namespace) -> Dict[str, Optional[Saver]]:
     """Every saver by name, as it would apply to this run (None: it has no form here)."""
+    expandable = _expandable_environment(args)
     return {
         'amp-float16': Saver('amp-float16', '--amp --amp-dtype float16', dict(amp=True, amp_dtype='float16'),
                              'rounding: float16 autocast, loss scaling'),
@@ -150,8 +152,7 @@ def _all_savers(args: argparse.Namespace) -> Dict[str, Optional[Saver]]:
         'model-ema-force-cpu': Saver('model-ema-force-cpu', '--model-ema-force-cpu', dict(model_ema_force_cpu=True)),
         'opt-sgd': Saver('opt-sgd', '--opt sgd', dict(opt='sgd'),
                          f'changes: SGD with momentum instead of {args.opt} (retune LR and schedule)'),
-        'expandable-segments': Saver('expandable-segments', '='.join(_expandable_environment()),
-                                     environment=_expandable_environment()),
+        'expandable-segments': Saver('expandable-segments', '='.join(expandable), environment=expandable),
         'smaller-img-size': _smaller_input(args),
     }
 
@@ -202,7 +203,7 @@ def apply_savers(args: argparse.Namespace, names: SaverNames) -> Tuple[argparse.
                              f'which --device {args.device} does not use; drop it')
         args = with_values(args, **saver.values)
         if saver.environment[0]:
-            variable, value = expandable_setting()
+            variable, value = expandable_setting(software=run_software(getattr(args, 'software', None))[0])
             os.environ[variable] = value
             notes.append(f'--apply-saver {name}: set {variable}={value} in train.py\'s environment (not a config '
                          f'key; set here for this process).')

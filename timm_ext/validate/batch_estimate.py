@@ -17,9 +17,8 @@ from timm.models import get_pretrained_cfg
 
 from ..batch_decay import decay_batch_step
 from ..memory import MemoryBudget, format_bytes, parse_budget
-from ..memory_model.cards import find_card
-from ..memory_model.devices import device_model, onednn_runs
-from ..memory_model.estimate import MemoryEstimate, estimate_memory
+from ..memory_model.devices import onednn_runs
+from ..memory_model.estimate import MemoryEstimate, estimate_memory, run_device
 from ..memory_model.headroom import Headroom, estimate_headroom
 from ..train.args import parse_args as parse_train_args
 
@@ -49,13 +48,14 @@ class EvalBatchEstimate:
     headroom: Headroom = Headroom(EVAL_HEADROOM, '')
 
     def lines(self, budget_text: str) -> List[str]:
-        card = self.estimate.device.card
+        card, software = self.estimate.device.card, self.estimate.device.software
         read = ''  # how a named card's budget was read
         if card is not None and self.budget == card.reported_bytes:
-            read = (f' ({format_bytes(self.budget)} as CUDA reports it, less {format_bytes(card.context_bytes)} of '
-                    f'CUDA context)')
+            read = (f' ({format_bytes(self.budget)} as CUDA reports it, less '
+                    f'{format_bytes(card.context(software).nbytes)} of CUDA context)')
         elif card is not None:
-            read = f' (the caching allocator\'s, of the {format_bytes(card.allocator_bytes)} {card.name} leaves it)'
+            read = (f' (the caching allocator\'s, of the {format_bytes(card.allocator_bytes_for(software))} '
+                    f'{card.name} leaves it)')
         return [f'Estimate (no real forward ran): {self.estimate.describe}, traced on fake tensors in '
                 f'{self.estimate.seconds:.1f} s; for {self.estimate.device.name}.',
                 f'Assumed: {self.estimate.device.assumptions}.',
@@ -101,11 +101,9 @@ def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: 
         BudgetError: The budget cannot be read, is a fraction of a device that is neither here nor named, or is more
             than the named card leaves the caching allocator.
     """
-    card = find_card(args.gpu) if getattr(args, 'gpu', None) else None
     budget = parse_budget(budget_text) if budget_text else None
     # before the trace: a budget that cannot be read here, or that the card cannot give, fails at once
-    num_bytes, usable = device_model(device_type, card=card).plan_in(budget or MemoryBudget(fraction=1.0),
-                                                                      budget_text or '')
+    num_bytes, usable = run_device(args, device_type).plan_in(budget or MemoryBudget(fraction=1.0), budget_text or '')
     estimate = estimate_memory(_estimate_args(args, model_name), device_type, onednn_runs(device_type),
                                TRACE_BATCHES, step_kind='validate')
     headroom = estimate_headroom('validate') if device_type == 'cuda' else Headroom(EVAL_HEADROOM, '')
