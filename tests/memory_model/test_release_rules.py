@@ -5,12 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from timm_ext.errors import UsageError
-from timm_ext.memory_model.allocator_config import (AllocatorConfig, allocator_config, allocator_variables,
-                                                    expandable_setting, known_options, parse_allocator_conf)
+from timm_ext.memory_model.allocator_config import (AllocatorConfig, allocator_config, expandable_setting,
+                                                    parse_allocator_conf)
+from timm_ext.memory_model.allocator_releases import allocator_variables, known_options
 from timm_ext.memory_model.autocast_casts import (CudaAutocastCasts, casts_upsampling, cuda_float32_functions,
                                                   cuda_float32_output_functions)
-from timm_ext.memory_model.kernels import (cublas_workspace_bytes, cublas_workspace_in_allocator, cublaslt_unified,
-                                           cublaslt_workspace_bytes, cuda_allocations)
+from timm_ext.memory_model.kernels import (cublas_workspace_bytes, cublaslt_unified, cublaslt_workspace_bytes,
+                                           cuda_allocations)
 from timm_ext.memory_model.versions import PINNED, RELEASES, Software
 
 MiB = 1 << 20
@@ -35,13 +36,18 @@ def test_cublas_default_workspace_per_release_and_compute_capability():
         assert cublas_workspace_bytes((8, 6), {'CUBLAS_WORKSPACE_CONFIG': ':4096:8'}, software) == 32 * MiB
 
 
-def test_cublas_workspace_is_the_allocators_from_torch_2():
+def test_cublas_workspace_is_replayed_as_a_kept_block_in_every_release():
     """aten/src/ATen/cuda/CublasHandlePool.cpp, getCurrentCUDABlasHandle: v2.9.1 and v2.14.1 call
     cublasSetWorkspace with a caching-allocator block (setWorkspaceForHandle); v1.12.1 sets none (the stored text of
-    that era, and the 1.12.1 wheel's libtorch_cuda.so imports no cublasSetWorkspace), so cuBLAS cudaMallocs its own."""
-    assert not cublas_workspace_in_allocator(T112)
-    assert cublas_workspace_in_allocator(T291) and cublas_workspace_in_allocator(T214)
-    assert cublas_workspace_in_allocator(Software((2, 6, 0), (12, 4), None))  # planned as the nearest, 2.9.1
+    that era, and the 1.12.1 wheel's libtorch_cuda.so imports no cublasSetWorkspace), so cuBLAS cudaMallocs its own,
+    which the replay keeps as an allocator block of the same bytes (an approximation: its segment rounding is not
+    cuBLAS's)."""
+    assert cublas_workspace_bytes((8, 6), {}, T112) == SMALL_WORKSPACE
+    for software in (T112, T291, T214, Software((2, 6, 0), (12, 4), None)):  # 2.6.0: planned as the nearest, 2.9.1
+        workspace = cublas_workspace_bytes((8, 6), {}, software)
+        for backward, thread in ((False, 'forward'), (True, 'backward')):
+            allocations = list(cuda_allocations('matmul', [], backward, (8, 6), {}, software))
+            assert allocations == [(workspace, 'kept', f'cublas {thread}')], software.torch
 
 
 def test_cublaslt_workspace_unified_by_default_only_in_2_14():

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from timm_ext.errors import UsageError
-from timm_ext.memory_model.allocator_config import VARIABLES, allocator_config
+from timm_ext.memory_model.allocator_config import allocator_config
+from timm_ext.memory_model.allocator_releases import VARIABLES
 from timm_ext.train.args import parse_args
 from timm_ext.tune.savers import apply_savers
 

@@ -6,7 +6,8 @@ One module a stage, each importing only the stages before it (nothing from `prob
   forward) traced on fake tensors, its live bytes by category, its ordered event log, its FLOPs;
 * `autocast_casts`, `kernels`, `kernels_attention`, `kernel_limits`: what CUDA's kernels do that the CPU trace did not
   (autocast's float32 casts, workspaces, the attention backend, launch limits);
-* `allocator_config`, `cache_release`, `allocator`: PyTorch's caching allocator and the options a user sets;
+* `allocator_releases`, `allocator_config`, `cache_release`, `allocator`: PyTorch's caching allocator and the options
+  a user sets (each release's rules for reading them, then the reader);
 * `replay`, `predict`: the step replayed on it, the CUDA answer at any batch;
 * `snapshot`: the replay written as `torch.cuda.memory._snapshot()` writes a real one;
 * `cards`, `devices`, `nccl`: the named cards, what each device type adds, NCCL's buffers;

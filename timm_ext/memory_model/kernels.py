@@ -24,12 +24,13 @@ libtorch_cuda.so decided):
     2.14.1 (`unified_cublas_and_lt_workspaces`), off in 2.9.1 (`getCUDABlasLtWorkspaceSize`'s static `unified`).
   - torch 1.12.1 (the same file at v1.12.1 sets no workspace; the 1.12.1 wheel's libtorch_cuda.so imports no
     cublasSetWorkspace): cuBLAS allocates its own workspace with cudaMalloc, outside the caching allocator, by its
-    own reading of CUBLAS_WORKSPACE_CONFIG (default ":4096:2:16:8" on cuBLAS 11). Where the bytes live is
-    `cublas_workspace_in_allocator`; the replay keeps them as an allocator block (the same bytes, placed in the
-    allocator's segments: at most one segment's rounding apart). Its addmm takes cuBLASLt's epilogue only on CUDA
-    11.4 and later (aten/src/ATen/native/cuda/Blas.cpp, `addmm_out_cuda_impl`'s `CUDA_VERSION >= 11040` guard, read
-    from later stored copies: the v1.12.1 text was not found), with a 1 MiB `at::empty` workspace for the call
-    (aten/src/ATen/cuda/CUDABlas.cpp, `gemm_and_bias`, pytorch#73328): timm's RTX 3090 table (CUDA 11.3) ran none.
+    own reading of CUBLAS_WORKSPACE_CONFIG (default ":4096:2:16:8" on cuBLAS 11). `cuda_allocations` replays them
+    as a kept allocator block of the same bytes, as for 2.x: an approximation (the bytes are counted, but placed in
+    the allocator's segments, whose rounding is not cuBLAS's cudaMalloc). Its addmm takes cuBLASLt's epilogue only
+    on CUDA 11.4 and later (aten/src/ATen/native/cuda/Blas.cpp, `addmm_out_cuda_impl`'s `CUDA_VERSION >= 11040`
+    guard, read from later stored copies: the v1.12.1 text was not found), with a 1 MiB `at::empty` workspace for the
+    call (aten/src/ATen/cuda/CUDABlas.cpp, `gemm_and_bias`, pytorch#73328): timm's RTX 3090 table (CUDA 11.3) ran
+    none.
 * cuDNN convolutions (aten/src/ATen/native/cudnn/Conv_v8.cpp): a plan's workspace adapts to the memory left (with
   `cudnn.benchmark` only plans whose workspace fits are kept, the largest is halved until it fits, and the cache is
   emptied after each search); the most asked is the convolution's input.
@@ -46,7 +47,7 @@ from .kernels_attention import ASSUMED_COMPUTE_CAPABILITY, attention_allocations
 from .versions import PINNED, RELEASES, Software, modelled_software
 
 __all__ = ['describe_op', 'cuda_allocations', 'cublas_workspace_bytes', 'cublaslt_workspace_bytes', 'cublaslt_unified',
-           'cublas_workspace_in_allocator', 'Allocation']
+           'Allocation']
 
 KiB = 1 << 10
 _MATMULS = ('mm.default', 'addmm.default', 'bmm.default', 'baddbmm.default', 'addmv.default', 'mv.default')
@@ -67,12 +68,6 @@ def _modelled_torch(software: Optional[Software]) -> Tuple[int, int, int]:
     if software.torch in {release.torch for release in RELEASES}:
         return software.torch
     return modelled_software(software)[0].torch
-
-
-def cublas_workspace_in_allocator(software: Optional[Software] = None) -> bool:
-    """Whether torch gives cuBLAS its workspace from the caching allocator (2.9.1, 2.14.1), or cuBLAS allocates its
-    own with cudaMalloc, outside the allocator's statistics and segments (1.12.1; the module doc)."""
-    return _modelled_torch(software) >= (2, 0, 0)
 
 
 def _default_cublas_bytes(compute_capability: Tuple[int, int], torch: Tuple[int, int, int]) -> int:
@@ -182,7 +177,8 @@ def cuda_allocations(signature: str, numbers: List[int], backward: bool,
     software = software or PINNED
     if signature.startswith('matmul'):
         thread = 'backward' if backward else 'forward'
-        # 1.12.1: cuBLAS's own cudaMalloc, kept here as a block of the same bytes (cublas_workspace_in_allocator)
+        # 2.x: a caching-allocator block. 1.12.1: cuBLAS cudaMallocs its own, outside the allocator; replayed here as
+        # a kept block of the same bytes (an approximation: the bytes are counted, its segment rounding is not cuBLAS's)
         yield cublas_workspace_bytes(compute_capability, environ, software), 'kept', f'cublas {thread}'
         if signature == 'matmul lt':
             lt_bytes = cublaslt_workspace_bytes(environ, software)
