@@ -1,4 +1,7 @@
-"""Shared test fixtures: a tiny generated ImageFolder and a helper to run the project's scripts."""
+"""Shared test fixtures: a tiny generated ImageFolder and helpers to run the project's scripts."""
+import contextlib
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -32,6 +35,33 @@ def run_script(script: str, *args: str, timeout: float = 300, env: dict | None =
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT,
         preexec_fn=preexec_fn,
     )
+
+
+def train_in_process(*args: str) -> subprocess.CompletedProcess:
+    """train.py's `main` on these arguments in this process, its output captured as `run_script` captures the
+    script's: for tests of what a run does, not of the process boundary, without an interpreter start (about 5 s
+    of importing torch and timm on two busy cores). Exit status from `main`'s return or from argparse's exit."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    import train as train_script
+    argv = list(map(str, args))
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []  # main() adds its handler on the captured stderr, as the script does on its own
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = train_script.main(argv)
+            except SystemExit as e:  # as the interpreter ends on it: a message goes to stderr, status 1
+                code = e.code if isinstance(e.code, int) or e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+                code = code or 0
+    finally:
+        root.handlers = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(['train.py', *argv], code, out.getvalue(), err.getvalue())
 
 
 def tuned_flags(config: Path) -> list:

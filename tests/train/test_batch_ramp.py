@@ -11,7 +11,7 @@ import pytest
 import torch
 from timm.scheduler import create_scheduler_v2
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, train_in_process
 from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.synthetic_data import make_image_folder
 from timm_ext.train.batch_ramp import (
@@ -330,8 +330,8 @@ RAMPED_LRS = [growth * 0.05 * 0.5 * (1 + math.cos(math.pi * t / 36)) for growth,
 
 
 def _train(data, out, name, flags, *extra):
-    """train.py into ``out/name``; returns its stderr and its ramp-change lines."""
-    result = run_script('train.py', '--data-dir', data, '--output', out, '--experiment', name, *flags, *extra)
+    """train.py's main into ``out/name``, in this process; returns its stderr and its ramp-change lines."""
+    result = train_in_process('--data-dir', data, '--output', out, '--experiment', name, *flags, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr, [line for line in result.stderr.splitlines() if 'Batch ramp before epoch' in line]
 
