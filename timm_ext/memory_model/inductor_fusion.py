@@ -20,9 +20,10 @@ reduction output may take the buffer of an input of the same size that nothing r
 inplace_buffers`; `FusedNode.inplace_of`). Not modelled: the scheduler's reordering for peak memory and its removal of
 buffers whose readers all fuse into one kernel (both can only lower the peak).
 """
+import contextlib
 import operator
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, Iterator, List, Optional, Set
 
 import torch
 from torch import fx
@@ -219,7 +220,7 @@ def channels_last_inputs(graph_module: fx.GraphModule, device_type: str, inferen
     mkldnn = torch.backends.mkldnn.enabled if device_type == 'cpu' else False
     try:
         with mock.patch.object(lowering_graph, 'has_free_symbols', lambda value: False), \
-                torch.backends.mkldnn.flags(enabled=mkldnn):
+                _mkldnn_enabled(mkldnn):
             optimized = lowering_graph.GraphLowering.decide_layout_opt(graph_module, is_inference=inference)
     except Exception:  # a graph the heuristic cannot read (symbolic FLOPs): inductor keeps the layout
         optimized = False
@@ -234,6 +235,19 @@ def channels_last_inputs(graph_module: fx.GraphModule, device_type: str, inferen
                     seen.add(a)
                     copies.setdefault(node, []).append(a)
     return copies
+
+
+@contextlib.contextmanager
+def _mkldnn_enabled(enabled: bool) -> Iterator[None]:
+    """oneDNN on or off while the block runs, nothing else touched (`torch.backends.mkldnn.flags` also sets oneDNN's
+    TF32 flag, and setting it in a build without Intel GPU support prints torch's "TF32 acceleration on top of oneDNN"
+    UserWarning)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = enabled
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
 
 
 def _layout_differs(node: fx.Node) -> bool:
