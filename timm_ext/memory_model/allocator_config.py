@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import List, Mapping, Optional, Tuple
 
 from ..errors import UsageError
-from .allocator_releases import (DIVISION_INTERVALS, DIVISION_START_LOG2, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC,
-                                 NO_LIMIT, REFUSED, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, _parse_regex_era, _read,
-                                 _refused, _release, _RELEASES, _unknown, allocator_variables, has_expandable_segments,
-                                 known_options)
+from .allocator_releases import (
+    DIVISION_INTERVALS, DIVISION_START_LOG2, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, NO_LIMIT, REFUSED, RELEASE_RULES,
+    ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, allocator_variables, has_expandable_segments, is_refused, known_options,
+    parse_regex_era, read_option, release_rules, unknown_option,
+)
 from .versions import Software
 
 __all__ = ['AllocatorConfig', 'allocator_config', 'allocator_setting', 'expandable_setting', 'parse_allocator_conf',
@@ -111,10 +112,10 @@ def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF',
         UsageError: That torch would refuse it, or it sets an option the model cannot follow (the option and the
             release are named).
     """
-    release = _release(software)
-    if release is _RELEASES[(1, 12, 1)]:
+    release = release_rules(software)
+    if release is RELEASE_RULES[(1, 12, 1)]:
         try:
-            settings = _parse_regex_era(text, release)
+            settings = parse_regex_era(text, release)
         except ValueError as e:
             raise _error(variable, text, str(e)) from None
         return AllocatorConfig(**settings, single_division_exact=True, variable=variable, text=text)
@@ -122,17 +123,17 @@ def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF',
     while i < len(tokens):
         key = tokens[i]
         if key not in known_options(software):
-            raise _error(variable, text, _unknown(release, key))
+            raise _error(variable, text, unknown_option(release, key))
         if tokens[i + 1:i + 2] != [':'] or i + 2 >= len(tokens):
             raise _error(variable, text, f"'{key}' needs a value, written {key}:VALUE")
         end = tokens.index(']', i + 2) if tokens[i + 2] == '[' and ']' in tokens[i + 2:] else i + 2
         value = tokens[i + 2:end + 1]
         try:
-            _read(key, value, settings, release)
+            read_option(key, value, settings, release)
         except ValueError as e:
             raise _error(variable, text, f'{release.name} refuses {key}:{"".join(value)} ({e}); fix or drop it') \
                 from None
-        if _refused(key, value):
+        if is_refused(key, value):
             raise _error(variable, text, f'{key}:{"".join(value)} is not modelled: {REFUSED[key]}; drop it to plan')
         i = end + 1
         if i < len(tokens):
@@ -171,7 +172,7 @@ def expandable_setting(environ: Mapping[str, str] = os.environ, software: Option
     Raises:
         UsageError: The user's setting is refused (`allocator_config`), or the release has no expandable segments.
     """
-    release = _release(software)
+    release = release_rules(software)
     if not has_expandable_segments(software):
         raise UsageError(f'{release.name} has no expandable segments (the option appeared in torch 2.1)')
     config = allocator_config(environ, software)

@@ -46,8 +46,9 @@ from typing import Dict, List, Optional, Tuple
 
 from .versions import PINNED, RELEASES, Software, modelled_software
 
-__all__ = ['allocator_variables', 'known_options', 'has_expandable_segments', 'VARIABLES', 'MIN_BLOCK', 'SMALL_SIZE',
-           'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
+__all__ = ['ReleaseRules', 'RELEASE_RULES', 'release_rules', 'allocator_variables', 'known_options',
+           'has_expandable_segments', 'read_option', 'is_refused', 'unknown_option', 'parse_regex_era', 'VARIABLES',
+           'MIN_BLOCK', 'SMALL_SIZE', 'SMALL_BUFFER', 'LARGE_BUFFER', 'MIN_LARGE_ALLOC', 'ROUND_LARGE', 'NO_LIMIT']
 
 MiB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -81,7 +82,7 @@ KNOWN = (*MODELLED, *NO_DEVICE_EFFECT, *REFUSED)
 
 
 @dataclass(frozen=True)
-class _Release:
+class ReleaseRules:
     """How one torch release reads its allocator setting (the module doc)."""
     name: str
     variables: Tuple[str, ...]  # read for the device allocator, first set wins
@@ -93,9 +94,9 @@ class _Release:
     split_floor_is_large_segment: bool  # max_split_size_mb >= large_segment_size (else > 20)
 
 
-_RELEASES = {
-    (2, 14, 1): _Release(TORCH, VARIABLES, MODELLED, NO_DEVICE_EFFECT, tuple(REFUSED), FLAGS, ' \t\n\v\f\r', True),
-    (2, 9, 1): _Release(
+RELEASE_RULES = {
+    (2, 14, 1): ReleaseRules(TORCH, VARIABLES, MODELLED, NO_DEVICE_EFFECT, tuple(REFUSED), FLAGS, ' \t\n\v\f\r', True),
+    (2, 9, 1): ReleaseRules(
         'torch 2.9.1', ('PYTORCH_CUDA_ALLOC_CONF',),
         ('expandable_segments', 'max_split_size_mb', 'max_non_split_rounding_mb', 'garbage_collection_threshold',
          'roundup_power2_divisions'),
@@ -107,34 +108,34 @@ _RELEASES = {
          'pinned_use_cuda_host_register', 'pinned_use_hip_host_register', 'pinned_use_background_threads',
          'graph_capture_record_stream_reuse'),
         ' ', False),
-    (1, 12, 1): _Release('torch 1.12.1', ('PYTORCH_CUDA_ALLOC_CONF',),
+    (1, 12, 1): ReleaseRules('torch 1.12.1', ('PYTORCH_CUDA_ALLOC_CONF',),
                          ('max_split_size_mb', 'roundup_power2_divisions', 'garbage_collection_threshold'), (), (), (),
                          ' \t\n\v\f\r', False),
 }
-assert {release.torch for release in RELEASES} == set(_RELEASES)
+assert {release.torch for release in RELEASES} == set(RELEASE_RULES)
 
 
-def _release(software: Optional[Software]) -> _Release:
+def release_rules(software: Optional[Software]) -> ReleaseRules:
     """The covered release whose rules read the setting (`versions.modelled_software`; None: the pinned one)."""
     software = software or PINNED
-    torch = software.torch if software.torch in _RELEASES else modelled_software(software)[0].torch
-    return _RELEASES[torch]
+    torch = software.torch if software.torch in RELEASE_RULES else modelled_software(software)[0].torch
+    return RELEASE_RULES[torch]
 
 
 def allocator_variables(software: Optional[Software] = None) -> Tuple[str, ...]:
     """The environment variables the device allocator reads, in the order it reads them (first set wins)."""
-    return _release(software).variables
+    return release_rules(software).variables
 
 
 def known_options(software: Optional[Software] = None) -> Tuple[str, ...]:
     """The allocator options the release knows (any other is refused by that torch)."""
-    release = _release(software)
+    release = release_rules(software)
     return (*release.modelled, *release.no_device_effect, *release.refused)
 
 
 def has_expandable_segments(software: Optional[Software] = None) -> bool:
     """Whether the release knows `expandable_segments` (it appeared in torch 2.1)."""
-    return 'expandable_segments' in _release(software).modelled
+    return 'expandable_segments' in release_rules(software).modelled
 
 
 def _size(token: str) -> int:
@@ -189,7 +190,8 @@ def _divisions(value: List[str]) -> Tuple[int, ...]:
     return tuple(counts)
 
 
-def _read(key: str, value: List[str], settings: Dict[str, object], release: _Release = _RELEASES[(2, 14, 1)]) -> None:
+def read_option(key: str, value: List[str], settings: Dict[str, object],
+                release: ReleaseRules = RELEASE_RULES[(2, 14, 1)]) -> None:
     """Check one option's value as `release` does and keep what the model needs in `settings` (ValueError: refused)."""
     if key in release.flags and value[0] not in ('True', 'False'):
         raise ValueError(f"{key} takes True or False, written so, not '{value[0]}'")
@@ -228,7 +230,7 @@ def _read(key: str, value: List[str], settings: Dict[str, object], release: _Rel
         _size(value[0])
 
 
-def _refused(key: str, value: List[str]) -> bool:
+def is_refused(key: str, value: List[str]) -> bool:
     """Whether a known option, with this value, asks for what the model does not follow (`REFUSED`)."""
     if key == 'backend':
         return value[0] != 'native'
@@ -237,15 +239,15 @@ def _refused(key: str, value: List[str]) -> bool:
     return key in REFUSED and value[0] != 'False'
 
 
-def _unknown(release: _Release, key: str) -> str:
+def unknown_option(release: ReleaseRules, key: str) -> str:
     since = ' (it appeared in torch 2.1)' if key == 'expandable_segments' else ''
     return (f"{release.name} does not know the allocator option '{key}'{since}; drop it (the options that place "
             f"device blocks: {', '.join(release.modelled)})")
 
 
-def _parse_regex_era(text: str, release: _Release) -> Dict[str, object]:
+def parse_regex_era(text: str, release: ReleaseRules) -> Dict[str, object]:
     """torch 1.12.1's `CachingAllocatorConfig::parseArgs` (the module doc): options split at runs of white space and
-    commas, each at runs of ':'; an option without a value is skipped. The settings `_read` keeps (ValueError: the
+    commas, each at runs of ':'; an option without a value is skipped. The settings `read_option` keeps (ValueError: the
     setting is refused, in words)."""
     settings: Dict[str, object] = {}
     for option in re.split(r'[ \t\n\v\f\r,]+', text):
@@ -256,7 +258,7 @@ def _parse_regex_era(text: str, release: _Release) -> Dict[str, object]:
             continue
         key, value = parts[0], parts[1]
         if key not in release.modelled:
-            raise ValueError(_unknown(release, key))
+            raise ValueError(unknown_option(release, key))
         try:
             if key == 'roundup_power2_divisions':
                 count = _int(value)
@@ -264,7 +266,7 @@ def _parse_regex_era(text: str, release: _Release) -> Dict[str, object]:
                     raise ValueError('the divisions must be a power of 2')
                 settings['roundup_power2_divisions'] = (count,) * DIVISION_INTERVALS
             else:
-                _read(key, [value], settings, release)
+                read_option(key, [value], settings, release)
         except ValueError as e:
             raise ValueError(f'{release.name} refuses {key}:{value} ({e}); fix or drop it') from None
     return settings
