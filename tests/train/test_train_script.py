@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file
 from timm.models import create_model, load_checkpoint
 
-from conftest import REPO_ROOT, run_script, torchrun
+from conftest import REPO_ROOT, run_script, torchrun, train_in_process
 from stock_spec import default_differences, load_spec
 from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.synthetic_data import make_image_folder
@@ -24,8 +24,11 @@ BASE = ['--model', 'test_resnet', '--num-classes', '3', '--img-size', '32', '--d
         '--log-interval', '1']
 
 
-def train(data, out, exp, *extra, check=True, **kw):
-    result = run_script('train.py', '--data-dir', data, '--output', out, '--experiment', exp, *BASE, *extra, **kw)
+def train(data, out, exp, *extra, check=True, process=False):
+    """train.py on BASE: its main in this process, or with `process` as its own interpreter (the module's short run
+    is the end-to-end one; the other runs test what training does, not the process boundary)."""
+    argv = ['--data-dir', data, '--output', out, '--experiment', exp, *BASE, *extra]
+    result = run_script('train.py', *argv) if process else train_in_process(*argv)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -47,7 +50,7 @@ def short_run(image_folder, tmp_path_factory):
     """Two epochs with EMA, accumulation and recovery checkpoints: (run folder, completed process)."""
     out = tmp_path_factory.mktemp('short')
     result = train(image_folder, out, 'run', '-b', '4', '--epochs', '2', '--model-ema', '--model-ema-decay', '0.5',
-                   '--recovery-interval', '1', '--grad-accum-steps', '2')
+                   '--recovery-interval', '1', '--grad-accum-steps', '2', process=True)
     return out / 'run', result
 
 
@@ -280,7 +283,7 @@ def test_bad_input_exit_status_of_the_process(image_folder, tmp_path, extra, sta
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message on a machine without CUDA')
 def test_default_cuda_device_without_cuda_is_one_line(image_folder, tmp_path):
-    result = run_script('train.py', '--data-dir', image_folder, '--model', 'test_resnet', '--output', tmp_path / 'o')
+    result = train_in_process('--data-dir', image_folder, '--model', 'test_resnet', '--output', tmp_path / 'o')
     assert result.returncode == 1
     assert 'Traceback' not in result.stderr and 'pass --device cpu' in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / 'o').exists()
