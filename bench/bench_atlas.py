@@ -82,29 +82,48 @@ def confirmations() -> Dict[tuple, str]:
     return {key: ', '.join(v) for key, v in found.items()}
 
 
+def read_cache() -> Dict[str, dict]:
+    """The traces of the cache file and of every shard's (`--shard`), those of an older format left out (no event
+    log recorded)."""
+    cache = {}
+    folder = os.path.dirname(CACHE)
+    stem = os.path.basename(CACHE).removesuffix('.json')
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if name.startswith(stem) and name.endswith('.json'):
+            with open(os.path.join(folder, name)) as f:
+                cache.update({k: e for k, e in json.load(f).items() if 'error' in e or 'log' in e})
+    return cache
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--models', default=','.join(MODELS))
     parser.add_argument('--fresh', action='store_true')
     parser.add_argument('--configs', default=','.join(CONFIGS),
                         help='the steps traced; the rows of the others are kept from the CSV written before')
+    parser.add_argument('--shard', default=None, metavar='I/N',
+                        help='only trace every N-th missing trace from the I-th, into a cache file of its own, and '
+                             'write nothing else (run once more without it to write the page from every shard)')
     args = parser.parse_args(argv)
     started = time.perf_counter()
     models = [m for m in args.models.split(',') if m]
     traced = {c for c in args.configs.split(',') if c}
     kept = {(r['model'], r['config']): r for r in csv.DictReader(open(TABLE))} if traced != set(CONFIGS) else {}
-    cache = {} if args.fresh or not os.path.exists(CACHE) else json.load(open(CACHE))
-    cache = {k: e for k, e in cache.items() if 'error' in e or 'log' in e}  # older entries have no event log
+    cache = {} if args.fresh else read_cache()
     todo = [(m, c) for m in models for c in CONFIGS if c in traced and c not in TRACED_AS and f'{m}|{c}' not in cache]
+    shard, shards = map(int, (args.shard or '0/1').split('/'))
+    own = CACHE if args.shard is None else CACHE.replace('.json', f'.{shard}of{shards}.json')
     os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-    for i, (model, config) in enumerate(todo, 1):
+    for i, (model, config) in enumerate(todo[shard::shards], 1):
         cache[f'{model}|{config}'] = trace(model, config)
         entry = cache[f'{model}|{config}']
         status = entry.get('error') or f"{entry['seconds']:.1f} s"
-        print(f'[{i}/{len(todo)}] {model} {config}: {status}', flush=True)
-        with open(CACHE + '.tmp', 'w') as f:
+        print(f'[{i}/{len(todo[shard::shards])}] {model} {config}: {status}', flush=True)
+        with open(own + '.tmp', 'w') as f:
             json.dump(cache, f)
-        os.replace(CACHE + '.tmp', CACHE)
+        os.replace(own + '.tmp', own)
+    if args.shard is not None:
+        return 0
     confirmed = confirmations()
     rows = []
     for model in models:
