@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, train_in_process
 from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.probe.table import FIT, Trial
 from timm_ext.probe.cache import ProbeCache
@@ -87,7 +87,7 @@ def small_disk(tmp_path):
 
 def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, small_disk):
     run = small_disk / 'run'
-    first = run_script('train.py', '--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
+    first = train_in_process('--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
                        *DISK_RUN, '--epochs', '3')
     assert first.returncode == 0, first.stderr[-3000:]
     before = digests(run)
@@ -98,7 +98,7 @@ def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, s
     filler = small_disk / 'filler'
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     filler.write_bytes(b'\0' * (free - 64 * 1024))
-    full = run_script('train.py', '--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
+    full = train_in_process('--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
                       *DISK_RUN, '--epochs', '5', '--resume', run / 'last.pth.tar')
     assert full.returncode == 1
     errors = error_lines(full.stderr)
@@ -113,7 +113,7 @@ def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, s
     assert load_training_checkpoint(run / 'last.pth.tar')['epoch'] == 2
 
     filler.unlink()
-    resumed = run_script('train.py', '--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
+    resumed = train_in_process('--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
                          *DISK_RUN, '--epochs', '5', '--resume', run / 'last.pth.tar')
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary_epochs(run / 'summary.csv') == [0, 1, 2, 3, 4]
@@ -154,7 +154,7 @@ def test_signal_stops_after_an_update_with_a_resumable_checkpoint(long_folder, t
     load_training_checkpoint(out / 'run' / 'last.pth.tar')
     if signum == signal.SIGINT:
         return  # the same checkpoint as SIGTERM's; resuming it is checked once
-    resumed = run_script('train.py', '--data-dir', long_folder, '--output', out, '--experiment', 'run', *BASE,
+    resumed = train_in_process('--data-dir', long_folder, '--output', out, '--experiment', 'run', *BASE,
                          '--epochs', epoch + 1, '--resume', recovery)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f'Resuming epoch {epoch} at update {updates_done}/30' in resumed.stderr

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from timm.task import ClassificationTask
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, train_in_process
 from timm_ext.train.noise_monitor import CSV_FIELDS
 from timm_ext.train.noise_scale import NoiseScaleEstimator
 from timm_ext.synthetic_data import make_image_folder
@@ -92,7 +92,7 @@ def test_short_run_writes_noise_scale_csv(tmp_path):
     # 96 images, micro-batches of 4 against windows of 16: 24 pairs an epoch, enough for a positive |G|² estimate at
     # these small batches (at 2 vs 4 and 6 pairs, noise can still dominate it: "no positive estimate yet")
     data = make_image_folder(tmp_path / 'data', per_class=32)
-    result = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split', '',
+    result = train_in_process('--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split', '',
                         '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
                         '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '1', '--log-noise-scale')
     assert result.returncode == 0, result.stderr[-3000:]
@@ -110,7 +110,7 @@ def test_short_run_writes_noise_scale_csv(tmp_path):
         assert next(csv.reader(f)) == ['epoch', 'train_loss', 'lr']  # stock columns (no eval split here)
 
     # resume for a second epoch: the EMAs continue from the checkpoint instead of starting over
-    resumed = run_script('train.py', '--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split',
+    resumed = train_in_process('--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split',
                          '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
                          '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '2', '--log-noise-scale',
                          '--resume', str(run / 'last.pth.tar'))

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_script
+from conftest import REPO_ROOT, run_script, train_in_process
 from stock_spec import load_spec, spec_mismatches
 from timm_ext.train.args import EXTENSIONS_GROUP
 from timm_ext.validate.args import build_validate_parser
@@ -52,7 +52,7 @@ def last_loss(log: str) -> float:
 def trained_run(image_folder, tmp_path_factory):
     """Output folder of a 2-epoch run of our train.py with EMA (EMA decay 0.5 keeps it apart from the weights)."""
     out = tmp_path_factory.mktemp('train')
-    result = run_script('train.py', '--data-dir', image_folder, '--output', out, '--experiment', 'run',
+    result = train_in_process('--data-dir', image_folder, '--output', out, '--experiment', 'run',
                         '--model', 'test_resnet', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
                         '--workers', '0', '-b', '8', '--epochs', '2', '--lr', '0.05', '--warmup-epochs', '0',
                         '--model-ema', '--model-ema-decay', '0.5')
