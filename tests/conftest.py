@@ -1,5 +1,6 @@
 """Shared test fixtures: a tiny generated ImageFolder and helpers to run the project's scripts."""
 import contextlib
+import importlib.util
 import io
 import logging
 import os
@@ -37,22 +38,27 @@ def run_script(script: str, *args: str, timeout: float = 300, env: dict | None =
     )
 
 
-def train_in_process(*args: str) -> subprocess.CompletedProcess:
-    """train.py's `main` on these arguments in this process, its output captured as `run_script` captures the
-    script's: for tests of what a run does, not of the process boundary, without an interpreter start (about 5 s
-    of importing torch and timm on two busy cores). Exit status from `main`'s return or from argparse's exit."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    import train as train_script
+_SCRIPTS = {}
+
+
+def script_in_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    """One of the project's scripts run by its `main` in this process, its output captured as `run_script` captures
+    the script's: for tests of what a run does, not of the process boundary, without an interpreter start (about
+    5 s of importing torch and timm on two busy cores). The exit status is `main`'s return or a `SystemExit`'s."""
+    if script not in _SCRIPTS:
+        spec = importlib.util.spec_from_file_location(f'_script_{Path(script).stem}', REPO_ROOT / script)
+        _SCRIPTS[script] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_SCRIPTS[script])
     argv = list(map(str, args))
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, argv0 = root.handlers[:], root.level, sys.argv[0]
     root.handlers = []  # main() adds its handler on the captured stderr, as the script does on its own
+    sys.argv[0] = str(REPO_ROOT / script)  # argparse's prog, as in the script's process
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = train_script.main(argv)
+                code = _SCRIPTS[script].main(argv)
             except SystemExit as e:  # as the interpreter ends on it: a message goes to stderr, status 1
                 code = e.code if isinstance(e.code, int) or e.code is None else 1
                 if not isinstance(e.code, int) and e.code is not None:
@@ -61,7 +67,13 @@ def train_in_process(*args: str) -> subprocess.CompletedProcess:
     finally:
         root.handlers = handlers
         root.setLevel(level)
-    return subprocess.CompletedProcess(['train.py', *argv], code, out.getvalue(), err.getvalue())
+        sys.argv[0] = argv0
+    return subprocess.CompletedProcess([script, *argv], code, out.getvalue(), err.getvalue())
+
+
+def train_in_process(*args: str) -> subprocess.CompletedProcess:
+    """train.py's `main` on these arguments in this process (`script_in_process`)."""
+    return script_in_process('train.py', *args)
 
 
 def tuned_flags(config: Path) -> list:

@@ -10,7 +10,7 @@ import runpy
 import sys
 import warnings
 
-from conftest import run_script
+from conftest import run_script, script_in_process
 from memory_viz_port import allocator_state, annotate, process_alloc_data
 from timm_ext.memory_model.allocator import CachingAllocator
 from timm_ext.memory_model.allocator_config import parse_allocator_conf
@@ -219,10 +219,10 @@ def test_tune_batch_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monk
 
 
 def test_a_snapshot_needs_the_estimate_and_a_cuda_device(tmp_path):
-    without = run_script('validate.py', '--model', 'resnet18', '--device', 'cuda', '--memory-snapshot',
+    without = script_in_process('validate.py', '--model', 'resnet18', '--device', 'cuda', '--memory-snapshot',
                          tmp_path / 's.pickle', '--data-dir', tmp_path)
     assert without.returncode != 0 and 'add --estimate' in without.stderr and 'Traceback' not in without.stderr
-    cpu = run_script('tune_batch.py', '--model', 'resnet18', '--device', 'cpu', '--estimate', '--memory-snapshot',
+    cpu = script_in_process('tune_batch.py', '--model', 'resnet18', '--device', 'cpu', '--estimate', '--memory-snapshot',
                      tmp_path / 's.pickle')
     assert cpu.returncode != 0 and 'add --device cuda' in cpu.stderr and 'Traceback' not in cpu.stderr
     assert not (tmp_path / 's.pickle').exists()
