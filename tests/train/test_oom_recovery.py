@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from timm.task import ClassificationTask
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, train_in_process
 from timm_ext.train.checkpoint import load_training_checkpoint
 from timm_ext.memory import memory_cap
 from timm_ext.train.oom_recovery import (
@@ -268,7 +268,7 @@ def capped_single(vit_data, tmp_path_factory):
     """(output root, capped run, reference run): one epoch of -b 48 x 2 under a 195 MB cap vs -b 24 x 4 uncapped."""
     out = tmp_path_factory.mktemp('oom')
     common = ['--data-dir', vit_data, '--output', out, *VIT, '--epochs', '1', '--no-aug']
-    reference = run_capped(*common, '--experiment', 'ref', '-b', '24', '--grad-accum-steps', '4')
+    reference = train_in_process(*common, '--experiment', 'ref', '-b', '24', '--grad-accum-steps', '4')  # uncapped
     capped = run_capped(*common, '--experiment', 'cap', '-b', '48', '--grad-accum-steps', '2', '--oom-recover',
                         cap_mb=195)
     return out, capped, reference
@@ -292,7 +292,7 @@ def test_resume_starts_at_the_saved_micro_batch_and_grows_back(capped_single, vi
     out, capped, _ = capped_single
     assert capped.returncode == 0, capped.stderr[-3000:]
     saved = load_training_checkpoint(out / 'cap' / 'last.pth.tar')['micro_batch']['micro_batch']
-    resumed = run_capped('--data-dir', vit_data, '--output', out, *VIT, '--experiment', 'resumed', '-b', '48',
+    resumed = train_in_process('--data-dir', vit_data, '--output', out, *VIT, '--experiment', 'resumed', '-b', '48',
                          '--grad-accum-steps', '2', '--no-aug', '--epochs', '2', '--oom-recover', '--oom-grow-back',
                          '1', '--resume', out / 'cap' / 'last.pth.tar')
     assert resumed.returncode == 0, resumed.stderr[-3000:]
