@@ -61,7 +61,7 @@ _FLOAT32_ADDED = {(2, 14, 0): frozenset({F.rms_norm, torch.rms_norm}),
 _OUTPUT_ADDED = {(2, 0, 0): frozenset({torch.linalg.vector_norm, torch.linalg.matrix_norm})}
 _UPSAMPLING_ADDED = (2, 0, 0)  # the first release modelled with upsample_* in AT_FORALL_FP32 (2.9.1)
 _UPSAMPLING = ('nearest', 'nearest-exact', 'linear', 'bilinear', 'bicubic', 'trilinear')  # not 'area': a pooling
-_DTYPE_POSITION = {F.softmax: 3, F.log_softmax: 3}  # where a positional dtype sits
+_DTYPE_FOURTH = (F.softmax, F.log_softmax)  # a positional dtype is their fourth argument (a tuple: CudaAutocastCasts)
 
 
 def _modelled_torch(software: Optional[Software]) -> Tuple[int, int, int]:
@@ -102,7 +102,7 @@ def _to_float32(value: Any) -> Any:
     return value
 
 
-def _casts(func, args: tuple, kwargs: dict, float32_functions: FrozenSet, upsampling: bool) -> bool:
+def _casts(func, args: tuple, kwargs: dict, float32_functions: tuple, upsampling: bool) -> bool:
     if func is F.interpolate:
         mode = args[3] if len(args) > 3 else kwargs.get('mode', 'nearest')
         return upsampling and mode in _UPSAMPLING
@@ -121,12 +121,16 @@ class CudaAutocastCasts(TorchFunctionMode):
 
     def __init__(self, software: Optional[Software] = None):
         super().__init__()
-        self._lists = (cuda_float32_functions(software), cuda_float32_output_functions(software),
+        self._lists = (tuple(cuda_float32_functions(software)), tuple(cuda_float32_output_functions(software)),
                        casts_upsampling(software))
 
     # the lists live in a module global while the mode is entered, not on the mode: TorchDynamo, compiling the step
     # under the mode, cannot build a guard on a mode's own attributes (torch 2.14.1: "name
-    # '___get_torch_function_mode_stack_at' is not defined"), and it guards a global as any other
+    # '___get_torch_function_mode_stack_at' is not defined"), and it guards a global as any other. They are tuples,
+    # not sets: TorchDynamo hashes a function it holds without a source (`Tensor.norm` reached through a tensor the
+    # graph computed) by its own tracker's identity (torch/_dynamo/variables/base.py, `VariableTracker.hash_impl`),
+    # so `func in frozenset` is False while tracing and True when the guard it leaves is checked ("Guard failed on
+    # the same frame it was created": convnextv2's GRN, MetaFormers, XCiT); a tuple compares each item as Python does
     def __enter__(self):
         _ENTERED.append(self._lists)
         return super().__enter__()
@@ -141,8 +145,9 @@ class CudaAutocastCasts(TorchFunctionMode):
             float32_functions, output_functions, upsampling = _ENTERED[-1]
             if _casts(func, args, kwargs, float32_functions, upsampling):
                 args, kwargs = _to_float32(args), {k: _to_float32(v) for k, v in kwargs.items()}
-            elif func in output_functions and 'dtype' not in kwargs \
-                    and len(args) <= _DTYPE_POSITION.get(func, len(args)) and args \
+            # `dtype=None` names none: `Tensor.norm` and `torch.norm` hand their own None on to the mode
+            elif func in output_functions and kwargs.get('dtype') is None \
+                    and (len(args) <= 3 or func not in _DTYPE_FOURTH) and args \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype in _HALF:
                 kwargs = {**kwargs, 'dtype': torch.float32}
         return func(*args, **kwargs)

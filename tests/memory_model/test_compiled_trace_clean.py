@@ -1,0 +1,70 @@
+"""A compiled plan as a user runs it: no warning of torch's own, and every family's graphs trace.
+
+Two faults of the compiled trace (issue 45): every compiled plan printed torch's "TF32 acceleration on top of oneDNN"
+UserWarning (the layout heuristic was asked under `torch.backends.mkldnn.flags`, which sets oneDNN's TF32 flag too),
+and MetaFormers, ConvNeXt-V2 and XCiT failed with "Guard failed on the same frame it was created" (TorchDynamo found
+no function in CudaAutocastCasts' sets when it reached the function through a tensor the graph computed).
+"""
+import warnings
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from conftest import run_script
+from timm_ext.memory_model.autocast_casts import CudaAutocastCasts
+from timm_ext.memory_model.inductor_fusion import channels_last_inputs
+
+PLAN = ('--amp', '--device', 'cuda', '--gpu', 'rtx4090', '--torchcompile', '--estimate', '--img-size', '32')
+
+
+def _torch_warnings(text: str) -> list:
+    return [line for line in text.splitlines() if 'Warning' in line]
+
+
+def test_a_compiled_plan_prints_no_warning_of_torchs():
+    done = run_script('validate.py', '--model', 'test_convnext', *PLAN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'Compiled step:' in done.stdout
+    assert _torch_warnings(done.stdout + done.stderr) == []
+
+
+@pytest.mark.parametrize('device_type', ['cpu', 'cuda'])
+def test_the_layout_heuristic_touches_no_onednn_flag_but_enabled(device_type):
+    """`channels_last_inputs` switches oneDNN as the run has it and back, and sets nothing else (a TF32 flag set in a
+    build without Intel GPU support is what printed the warning)."""
+    graph = make_fx(lambda x, w: torch.nn.functional.conv2d(x, w), tracing_mode='fake')(
+        torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3))
+    flags = (torch.backends.mkldnn.enabled, torch._C._get_onednn_allow_tf32(), torch.backends.mkldnn.deterministic)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        channels_last_inputs(graph, device_type, inference=True)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert (torch.backends.mkldnn.enabled, torch._C._get_onednn_allow_tf32(),
+            torch.backends.mkldnn.deterministic) == flags
+
+
+def _grn_like(x: torch.Tensor) -> torch.Tensor:
+    """ConvNeXt-V2's GlobalResponseNorm in short: `Tensor.norm` of a tensor the graph computed (reached without a
+    source, where TorchDynamo hashed the function by its own tracker)."""
+    y = x * 2
+    return y.norm(p=2, dim=(1,), keepdim=True)
+
+
+def test_a_cast_function_reached_through_a_computed_tensor_traces_and_casts_as_eager():
+    x = torch.randn(4, 8)
+    with CudaAutocastCasts(), torch.autocast('cpu', dtype=torch.bfloat16):
+        eager = _grn_like(x.bfloat16())
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(_grn_like, backend='eager', fullgraph=True)(x.bfloat16())
+        finally:
+            torch._dynamo.reset()
+    assert eager.dtype == compiled.dtype == torch.float32  # norm's output in float32, as CUDA autocast gives it
+
+
+def test_convnextv2_traces_compiled():
+    """The smallest model of a family that failed ("Guard failed on the same frame it was created")."""
+    done = run_script('validate.py', '--model', 'convnextv2_atto', *PLAN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'torch.compile inductor, traced on fake tensors' in done.stdout
