@@ -13,26 +13,45 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from timm_ext.memory_model.cards import CARDS, COMPUTE_CAPABILITY_SOURCE, CONTEXTS  # noqa: E402
+from timm_ext.memory_model.cards import (  # noqa: E402
+    CARDS, COMPUTE_CAPABILITY_SOURCE, CONTEXT_MEASUREMENTS, MODULES_BYTES, MODULES_HIGH, MODULES_LOW, MODULES_SOURCE,
+)
+from timm_ext.memory_model.versions import RELEASES  # noqa: E402
 
 DOC = os.path.join(ROOT, 'docs', 'gpu.md')
 BEGIN, END = '<!-- cards: begin (bench/card_table.py --write) -->', '<!-- cards: end -->'
 GiB = 1 << 30
 
 
+def _gib(nbytes: int) -> str:
+    return f'{nbytes / GiB:.2f} GiB'
+
+
 def card_rows() -> List[str]:
-    """The markdown table: one row a card, then one a CUDA context."""
-    rows = ['| `--gpu` | card | memory as CUDA reports it | allocator may use | compute capability | source |',
-            '| --- | --- | ---: | ---: | :---: | --- |']
+    """The markdown tables: one row a card (its CUDA context under each covered release), then one a published
+    measurement of the context."""
+    releases = {f"torch {'.'.join(map(str, r.torch))} + CUDA {'.'.join(map(str, r.cuda))}": r for r in RELEASES}
+    rows = ['| `--gpu` | card | memory as CUDA reports it | compute capability | CUDA context: '
+            + ', '.join(releases) + ' | allocator may use (pinned release) | source |',
+            '| --- | --- | ---: | :---: | ---: | ---: | --- |']
     for card in CARDS.values():
         major, minor = card.compute_capability
         aliases = f' (also {", ".join(card.aliases)})' if card.aliases else ''
         note = f'; {card.note}' if card.note else ''
-        rows.append(f'| `{card.name}`{aliases} | {card.title} | {card.reported_bytes / GiB:.2f} GiB | '
-                    f'{card.allocator_bytes / GiB:.2f} GiB | {major}.{minor} | {card.reported_source}{note} |')
-    rows += ['', f'Compute capabilities: {COMPUTE_CAPABILITY_SOURCE}. CUDA contexts (outside the caching allocator):',
-             '', '| context | bytes | source | basis |', '| --- | ---: | --- | --- |']
-    rows += [f'| {c.name} | {c.nbytes / GiB:.2f} GiB | {c.source} | {c.basis} |' for c in CONTEXTS.values()]
+        contexts = ', '.join(_gib(card.context(r).nbytes) + ('' if card.context(r).measured else ' (assumed)')
+                             for r in releases.values())
+        rows.append(f'| `{card.name}`{aliases} | {card.title} | {_gib(card.reported_bytes)} | {major}.{minor} | '
+                    f'{contexts} | {_gib(card.allocator_bytes)} | {card.reported_source}{note} |')
+    rows += ['', f'Compute capabilities: {COMPUTE_CAPABILITY_SOURCE}. A card\'s CUDA context (outside the caching '
+             f'allocator) is the largest bare context published for its generation under the run\'s module loading '
+             f'(`cards.cuda_context`; "assumed": none published for that generation, the largest of any card taken), '
+             f'plus {_gib(MODULES_BYTES)} of kernel modules a step loads after it ({MODULES_SOURCE}; seen from '
+             f'{_gib(MODULES_LOW)}, up to an assumed {_gib(MODULES_HIGH)}). The published bare contexts:', '',
+             '| module loading | bare context | compute capability | what was measured | source |',
+             '| --- | ---: | :---: | --- | --- |']
+    for m in CONTEXT_MEASUREMENTS:
+        generation = '.'.join(map(str, m.compute_capability)) if m.compute_capability else 'not named'
+        rows.append(f'| {m.loading} | {m.nbytes / (1 << 20):.0f} MiB | {generation} | {m.what} | {m.source} |')
     return rows
 
 

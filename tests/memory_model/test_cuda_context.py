@@ -32,9 +32,17 @@ def test_every_measurement_names_its_source_and_loading():
 def test_a_measured_generation_takes_its_own_largest_measurement_plus_the_modules():
     ada = cuda_context((8, 9), PINNED)  # RTX 6000 Ada, torch 2.10 + CUDA 13.0: 426 MiB bare
     assert ada.measured and ada.nbytes == 426 * MiB + MODULES_BYTES and 'unsloth-zoo/pull/1053' in ada.source
-    ampere = cuda_context((8, 6), TORCH_112)  # RTX 3090 under eager loading: 999 and 1486 MiB seen, the larger kept
+    ampere = cuda_context((8, 6), Software((1, 7, 1), (11, 0), None))  # RTX 3090, eager: 999 and 1486 MiB seen
     assert ampere.measured and ampere.nbytes == 1486 * MiB + MODULES_BYTES and 'issues/49877' in ampere.source
     assert ampere.nbytes > ada.nbytes  # eager loading loads every module at start
+
+
+def test_a_measurement_of_the_runs_own_torch_and_cuda_comes_before_one_of_the_generation():
+    """An eager context is every module of the libraries the release loads: torch 1.12.1 + CUDA 11.3's own 843 MiB
+    (pytorch#86493) plans the RTX 3090 table's software, not the 1486 MiB of torch 1.7.1 + CUDA 11.0 on that card."""
+    table = cuda_context((8, 6), TORCH_112)
+    assert table.measured and table.nbytes == 843 * MiB + MODULES_BYTES and 'issues/86493' in table.source
+    assert "with the run's torch and CUDA" in table.describe()
 
 
 def test_an_unmeasured_generation_is_an_assumption_with_the_range_the_measurements_allow():
@@ -55,7 +63,7 @@ def test_a_cards_allocator_memory_and_plan_follow_the_software():
     assert card.allocator_bytes_for(TORCH_112) == card.reported_bytes - card.context(TORCH_112).nbytes
     assert card.allocator_bytes_for(TORCH_112) < card.allocator_bytes  # eager loading leaves the allocator less
     assert card.plan_in(parse_budget('1.0'), '1.0', software=TORCH_112)[1] == card.allocator_bytes_for(TORCH_112)
-    assert 'eager loading, 8.6' in card.assumptions(TORCH_112) and 'issues/49877' in card.assumptions(TORCH_112)
+    assert 'eager loading, 8.6' in card.assumptions(TORCH_112) and 'issues/86493' in card.assumptions(TORCH_112)
 
 
 @pytest.mark.parametrize('name, gib', [('h200', 139.72), ('a100-40gb', 39.25)])

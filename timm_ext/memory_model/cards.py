@@ -43,30 +43,36 @@ class ContextMeasurement:
         compute_capability: The card's, where the card is named (None: not named).
         what: The card, the software and what was measured.
         source: Where it was published.
+        torch_cuda: The torch (major, minor) and CUDA (major, minor) it ran, where the source names them.
     """
     loading: str
     nbytes: int
     compute_capability: Optional[Tuple[int, int]]
     what: str
     source: str
+    torch_cuda: Optional[Tuple[Tuple[int, int], Tuple[int, int]]] = None
 
 
 _PT = 'https://github.com/pytorch/pytorch/{}'
 CONTEXT_MEASUREMENTS: Tuple[ContextMeasurement, ...] = (
     ContextMeasurement('lazy', 287_047_680, None, 'torch 1.13 + CUDA 11.7, card not named: cudaMemGetInfo used '
-                       'after one randn tensor (274 MiB)', _PT.format('pull/86509')),
+                       'after one randn tensor (274 MiB)', _PT.format('pull/86509'), ((1, 13), (11, 7))),
     ContextMeasurement('lazy', 426 * MiB, (8, 9), 'RTX 6000 Ada, torch 2.10 + CUDA 13.0: nvidia-smi after '
-                       'torch.cuda.mem_get_info alone, 0 B reserved', 'https://github.com/unslothai/unsloth-zoo/pull/1053'),
+                       'torch.cuda.mem_get_info alone, 0 B reserved', 'https://github.com/unslothai/unsloth-zoo/pull/1053',
+                       ((2, 10), (13, 0))),
     ContextMeasurement('eager', 666_632_192, None, 'torch 1.13 + CUDA 11.7 with CUDA_MODULE_LOADING=DEFAULT, card '
-                       'not named: cudaMemGetInfo used after one randn tensor (636 MiB)', _PT.format('pull/86509')),
+                       'not named: cudaMemGetInfo used after one randn tensor (636 MiB)', _PT.format('pull/86509'),
+                       ((1, 13), (11, 7))),
     ContextMeasurement('eager', 843 * MiB, None, 'torch 1.12.1 + CUDA 11.3, card not named: '
-                       'torch.cuda.list_gpu_processes after mem_get_info alone', _PT.format('issues/86493')),
+                       'torch.cuda.list_gpu_processes after mem_get_info alone', _PT.format('issues/86493'),
+                       ((1, 12), (11, 3))),
     ContextMeasurement('eager', 999 * MiB, (8, 6), 'RTX 3090, torch 1.7.1 + CUDA 11.1: nvidia-smi 1001 MiB with '
-                       'one 100x100 tensor (a 2 MiB segment)', _PT.format('issues/54564')),
+                       'one 100x100 tensor (a 2 MiB segment)', _PT.format('issues/54564'), ((1, 7), (11, 1))),
     ContextMeasurement('eager', 1486 * MiB, (8, 6), 'RTX 3090, torch 1.7.1 + CUDA 11.0: nvidia-smi 1644 MiB with '
-                       'one 64x16x200x200 float32 tensor (a 158 MiB segment)', _PT.format('issues/49877')),
+                       'one 64x16x200x200 float32 tensor (a 158 MiB segment)', _PT.format('issues/49877'),
+                       ((1, 7), (11, 0))),
     ContextMeasurement('eager', 877 * MiB, (7, 5), 'RTX 2080 Ti, torch 1.6.0 + CUDA 10.1: nvidia-smi 1035 MiB with '
-                       'the same 158 MiB tensor', _PT.format('issues/49877')),
+                       'the same 158 MiB tensor', _PT.format('issues/49877'), ((1, 6), (10, 1))),
 )
 # The kernel modules a run loads after the context exists (lazily, at each kernel's first use; cuDNN 8's sub-libraries,
 # opened at the first convolution, under eager loading): vLLM's profile reports the growth of the memory outside
@@ -124,9 +130,11 @@ class CudaContext:
 
 
 def cuda_context(compute_capability: Optional[Tuple[int, int]], software: Software = PINNED) -> CudaContext:
-    """The context of a card of `compute_capability` under `software`: the largest bare context measured on that
-    generation with the run's module loading (the safe side: more context leaves the allocator less), else the largest
-    measured with that loading on any card (an assumption), plus the modules a step loads (`MODULES_BYTES`).
+    """The context of a card of `compute_capability` under `software`: the bare context measured with the run's
+    module loading, the closest evidence first, the largest within it (the safe side: more context leaves the allocator
+    less): measured on the run's torch and CUDA (an eager context is every module of the libraries the release loads,
+    so the software decides it more than the card), else on that generation, else on any card (an assumption); plus
+    the modules a step loads (`MODULES_BYTES`).
 
     The range runs from the smallest bare context seen with that loading plus the least module growth seen, to the
     largest plus the assumed upper end (`MODULES_HIGH`). A `compute_capability` of None is a card of no known
@@ -135,14 +143,17 @@ def cuda_context(compute_capability: Optional[Tuple[int, int]], software: Softwa
     loading = module_loading(software)
     seen = [m for m in CONTEXT_MEASUREMENTS if m.loading == loading]
     same = [m for m in seen if compute_capability and m.compute_capability == tuple(compute_capability)]
-    bare = max(same or seen, key=lambda m: m.nbytes)
+    release = (software.torch[:2], (software.cuda or PINNED.cuda)[:2])
+    same_software = [m for m in seen if m.torch_cuda == release]
+    bare = max(same_software or same or seen, key=lambda m: m.nbytes)
     generation = '.'.join(map(str, compute_capability)) if compute_capability else 'any card'
-    where = 'on that generation' if same else f'on another card, none of {generation} published'
+    where = ('with the run\'s torch and CUDA' if same_software else 'on that generation' if same
+             else f'on another card, none of {generation} published')
     basis = (f'{format_bytes(bare.nbytes)} bare context measured {where} ({bare.what}; {bare.source}), plus '
              f'{format_bytes(MODULES_BYTES)} of kernel modules loaded after it ({MODULES_SOURCE})')
     return CudaContext(f'{loading} loading, {generation}', bare.nbytes + MODULES_BYTES,
                        min(m.nbytes for m in seen) + MODULES_LOW, max(m.nbytes for m in seen) + MODULES_HIGH,
-                       bare.source, basis, bool(same))
+                       bare.source, basis, bool(same or same_software))
 
 
 # one context per loading mode on a card of no known generation (what bench/card_table.py lists)
