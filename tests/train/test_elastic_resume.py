@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, train_in_process
 from timm_ext.train import checkpoint as ckpt
 from timm_ext.train.elastic import (
     BatchLayout, describe_change, device_note, elastic_lr, layout_flags_set_anew, plan_elastic_resume, resume_updates,
@@ -108,7 +108,13 @@ def finished(proc: subprocess.Popen) -> str:
 
 
 def train(ranks: int, data, out, exp, *extra) -> str:
-    return finished(start_training(ranks, data, out, exp, *extra))
+    """The log of a finished run on `ranks` gloo ranks under torchrun; one rank runs train.py's main in this
+    process (an interpreter start less: the rank count, not the process, is what these runs vary)."""
+    if ranks > 1:
+        return finished(start_training(ranks, data, out, exp, *extra))
+    result = train_in_process('--data-dir', data, '--output', out, '--experiment', exp, *RUN, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
 
 
 def lr_by_epoch(run) -> dict:
@@ -127,13 +133,12 @@ def layout(path) -> tuple:
 def test_two_ranks_then_one_then_two_keep_global_batch_lr_and_schedule(image_folder, tmp_path):
     # 24 images, global batch 8: 3 updates per epoch in every layout (2 x 4 x 1 and 1 x 4 x 2)
     train(2, image_folder, tmp_path, 'two', '-b', '4')
-    one = start_training(1, image_folder, tmp_path, 'one', '-c', tmp_path / 'two' / 'args.yaml',
-                         '--resume', tmp_path / 'two' / 'checkpoint-0.pth.tar')
-    # meanwhile (independent of it): a layout the user sets anew wins and the LR follows its global batch; resumed
-    # inside epoch 2 after 2 updates of 8 samples, which are 1 of the 2 updates of 16 its epochs now have
-    user = start_training(1, image_folder, tmp_path, 'user', '-c', tmp_path / 'two' / 'args.yaml', '--resume',
-                          tmp_path / 'two' / 'recovery-2-1.pth.tar', '-b', '8', '--grad-accum-steps', '2')
-    one_log, user_log = finished(one), finished(user)
+    one_log = train(1, image_folder, tmp_path, 'one', '-c', tmp_path / 'two' / 'args.yaml',
+                    '--resume', tmp_path / 'two' / 'checkpoint-0.pth.tar')
+    # a layout the user sets anew wins and the LR follows its global batch; resumed inside epoch 2 after 2 updates
+    # of 8 samples, which are 1 of the 2 updates of 16 its epochs now have
+    user_log = train(1, image_folder, tmp_path, 'user', '-c', tmp_path / 'two' / 'args.yaml', '--resume',
+                     tmp_path / 'two' / 'recovery-2-1.pth.tar', '-b', '8', '--grad-accum-steps', '2')
     assert ('Elastic resume: the checkpoint trained 4 x 2 ranks x 1 accum = global batch 8, this run 4 x 1 rank x 2 '
             'accum = global batch 8; re-planned for its 1 rank(s): accumulation 1 -> 2; same global batch') in one_log
     assert 'device changed' not in one_log
