@@ -14,8 +14,14 @@ replay treat a compiled step as an eager one.
 
 Modelled: the inductor backend; backends that run their graphs with aten ops (eager, aot_eager and its variants) run
 as themselves. Not modelled, and said in the plan (`unmodelled`): CUDA graphs (`--torchcompile-mode` reduce-overhead
-and max-autotune keep a private pool per graph; planned without them, as the probe runs), the scheduler's reordering
-for peak memory, and the backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager).
+and max-autotune; planned without them, as the probe runs), the scheduler's reordering for peak memory, and the
+backends that need a device or an outside compiler (cudagraphs, tvm, ...: planned as eager). What CUDA graphs would
+change, as torch 2.14.1's CUDA graph trees allocate (`torch/_inductor/cudagraph_trees.py`): one `CUDAGraphTreeManager`
+per device holds one memory pool (`graph_pool_handle`) that every graph of the step warms up and records into, forward,
+backward and the graphs between graph breaks alike; each input that is not a parameter, a buffer or an earlier graph's
+output gets a static copy in that pool (`_allocate_and_copy_recording_inputs`), refilled at every replay; and the pool
+keeps its segments, and the last replay's outputs, from one step to the next, outside what the caching allocator
+lends the rest of the step.
 """
 import contextlib
 from typing import Dict, Iterator, List
@@ -41,7 +47,10 @@ def unmodelled(backend: str, mode: str) -> List[str]:
         return [f'the {backend} backend (planned as eager)'] if backend in _DEVICE_BACKENDS else []
     notes = ['the scheduler reordering kernels for peak memory']
     if mode in _GRAPH_MODES:
-        notes.insert(0, f'{mode}\'s CUDA graph pools (planned without CUDA graphs, as the probe runs)')
+        notes.insert(0, f'{mode}\'s CUDA graphs (planned without them, as the probe runs; CUDA graph trees, '
+                        'torch/_inductor/cudagraph_trees.py, record every graph of the step into one memory pool per '
+                        'device, with a static copy of each input that is no parameter, buffer or earlier graph\'s '
+                        'output, and the pool keeps its segments and the last outputs between steps)')
     return notes
 
 
