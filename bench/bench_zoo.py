@@ -5,6 +5,7 @@
     python bench/bench_zoo.py --limit 10 --batches 2,4 --timeout 300
     python bench/bench_zoo.py --shard 1/2 --output /tmp/zoo.1.csv   # every other family, from the second
     python bench/bench_zoo.py --report                          # the counts of the CSV as it stands
+    python bench/bench_zoo.py --torchcompile                    # compiled (inductor), into docs/zoo-compiled.csv
 
 A family is a module of `timm.models` (the module of the model's entry point). Its model is the smallest by name:
 the size words timm's families use (atto < femto < pico < nano < ... < small < base), then its default input's
@@ -15,6 +16,10 @@ are left out (they are no model a user runs). Each model is traced at its defaul
 encoder without a head, num_classes 0, with `--num-classes 1000`). Each trace runs in a process of its own under
 `--timeout`; the CSV gets one row per family and mode: ok, the error's class and one-line message, or timeout. Rows
 already in the CSV are skipped, so a stopped run resumes where it left off (`--fresh` starts over).
+
+`--torchcompile [BACKEND]` traces the same models as `tune_batch.py --estimate --torchcompile` plans them (train.py's
+flag, inductor by default: `timm_ext.memory_model.compiled_step`), into a CSV of its own; the report gives the share
+of families that trace compiled in every mode asked.
 """
 import argparse
 import csv
@@ -31,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 OUTPUT = os.path.join(ROOT, 'docs', 'zoo.csv')
+COMPILED_OUTPUT = os.path.join(ROOT, 'docs', 'zoo-compiled.csv')
 FIELDS = ('family', 'model', 'mode', 'status', 'error', 'message', 'seconds')
 MODES = ('validate', 'train')
 # size words of timm's model names, smallest first (a name without one ranks after them all)
@@ -63,16 +69,17 @@ def families() -> Dict[str, str]:
     return {family: min(names, key=size_key) for family, names in sorted(members.items())}
 
 
-def trace_one(model: str, mode: str, batches: Sequence[int]) -> dict:
-    """One model's estimate as `tune_batch.py --estimate --device cuda --amp` runs it: ok, or the error's class and
-    its message on one line."""
+def trace_one(model: str, mode: str, batches: Sequence[int], torchcompile: str = '') -> dict:
+    """One model's estimate as `tune_batch.py --estimate --device cuda --amp [--torchcompile BACKEND]` runs it: ok,
+    or the error's class and its message on one line."""
     from timm.models import get_pretrained_cfg
     from timm_ext.memory_model.estimate import estimate_memory
     from timm_ext.train.args import parse_args
     # an encoder without a head (num_classes 0) trains with one, as train.py on ImageNet-1k gives it
     head = ['--num-classes', '1000'] if mode == 'train' and get_pretrained_cfg(model).num_classes == 0 else []
+    compiled = ['--torchcompile', torchcompile] if torchcompile else []
     try:
-        args, _ = parse_args(['--model', model, '--device', 'cuda', '--amp', *head])
+        args, _ = parse_args(['--model', model, '--device', 'cuda', '--amp', *head, *compiled])
         args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
         estimate_memory(args, 'cuda', batches=batches, step_kind=mode)
     except Exception as e:  # the bench records every failure, whichever class
@@ -80,10 +87,10 @@ def trace_one(model: str, mode: str, batches: Sequence[int]) -> dict:
     return dict(status='ok', error='', message='')
 
 
-def run_child(model: str, mode: str, batches: Sequence[int], timeout: float) -> dict:
+def run_child(model: str, mode: str, batches: Sequence[int], timeout: float, torchcompile: str = '') -> dict:
     """`trace_one` in a process of its own, killed after `timeout` seconds."""
     command = [sys.executable, os.path.abspath(__file__), '--one', model, '--modes', mode,
-               '--batches', ','.join(map(str, batches))]
+               '--batches', ','.join(map(str, batches))] + (['--torchcompile', torchcompile] if torchcompile else [])
     started = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -106,13 +113,21 @@ def read_rows(path: str) -> List[dict]:
         return list(csv.DictReader(f))
 
 
-def report(rows: List[dict]) -> List[str]:
-    """The counts: families, ok per mode, and each failure."""
-    lines = [f'families: {len({r["family"] for r in rows})}']
+def report(rows: List[dict], torchcompile: str = '') -> List[str]:
+    """The counts: families, ok per mode, the share of families that trace in every mode they have a row of, and
+    each failure."""
+    by_family = defaultdict(list)
+    for r in rows:
+        by_family[r['family']].append(r['status'] == 'ok')
+    lines = [f'families: {len(by_family)}' + (f' (torch.compile {torchcompile})' if torchcompile else '')]
     for mode in MODES:
         mine = [r for r in rows if r['mode'] == mode]
         ok = sum(r['status'] == 'ok' for r in mine)
         lines.append(f'{mode}: {ok}/{len(mine)} ok' + (f' ({ok / len(mine):.1%})' if mine else ''))
+    if by_family:
+        traced = sum(all(oks) for oks in by_family.values())
+        lines.append(f'families that trace{" compiled" if torchcompile else ""} in every mode: '
+                     f'{traced}/{len(by_family)} ({traced / len(by_family):.1%})')
     for r in rows:
         if r['status'] != 'ok':
             lines.append(f'  {r["mode"]:8s} {r["family"]} ({r["model"]}): {r["status"]} {r["error"]} {r["message"]}')
@@ -128,18 +143,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         'each with its own --output)')
     parser.add_argument('--modes', default=','.join(MODES), help='validate, train or both')
     parser.add_argument('--timeout', type=float, default=600, help='seconds a trace may take')
-    parser.add_argument('--output', default=OUTPUT)
+    parser.add_argument('--torchcompile', nargs='?', const='inductor', default='', metavar='BACKEND',
+                        help='trace compiled as train.py --torchcompile (default backend inductor)')
+    parser.add_argument('--output', default='', help=f'the CSV (default {os.path.relpath(OUTPUT, ROOT)}, '
+                        f'{os.path.relpath(COMPILED_OUTPUT, ROOT)} with --torchcompile)')
     parser.add_argument('--fresh', action='store_true', help='trace again what the CSV has')
     parser.add_argument('--report', action='store_true', help='print the counts of the CSV and stop')
     parser.add_argument('--one', default='', help=argparse.SUPPRESS)  # the child: one model, one mode
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(','))
     modes = [m for m in args.modes.split(',') if m]
+    output = args.output or (COMPILED_OUTPUT if args.torchcompile else OUTPUT)
     if args.one:
-        print(json.dumps(trace_one(args.one, modes[0], batches)))
+        print(json.dumps(trace_one(args.one, modes[0], batches, args.torchcompile)))
         return
     if args.report:
-        print('\n'.join(report(read_rows(args.output))))
+        print('\n'.join(report(read_rows(output), args.torchcompile)))
         return
     chosen = families()
     if args.families:
@@ -148,22 +167,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         chosen = dict(list(chosen.items())[:args.limit])
     shard, shards = (int(n) for n in args.shard.split('/'))
     chosen = dict(list(chosen.items())[shard::shards])
-    rows = [] if args.fresh else read_rows(args.output)
+    rows = [] if args.fresh else read_rows(output)
     done = {(r['family'], r['mode']) for r in rows}
     for family, model in chosen.items():
         for mode in modes:
             if (family, mode) in done:
                 continue
-            row = dict(family=family, model=model, mode=mode, **run_child(model, mode, batches, args.timeout))
+            row = dict(family=family, model=model, mode=mode,
+                       **run_child(model, mode, batches, args.timeout, args.torchcompile))
             rows = [r for r in rows if (r['family'], r['mode']) != (family, mode)] + [row]
             rows.sort(key=lambda r: (r['family'], MODES.index(r['mode'])))
-            with open(args.output, 'w', newline='') as f:
+            with open(output, 'w', newline='') as f:
                 writer = csv.DictWriter(f, fieldnames=FIELDS)
                 writer.writeheader()
                 writer.writerows(rows)
             print(f'{family:28s} {model:34s} {mode:8s} {row["status"]} {row["seconds"]}s {row["message"][:120]}',
                   flush=True)
-    print('\n'.join(report(rows)))
+    print('\n'.join(report(rows, args.torchcompile)))
 
 
 if __name__ == '__main__':
