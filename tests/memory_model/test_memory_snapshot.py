@@ -10,7 +10,7 @@ import runpy
 import sys
 import warnings
 
-from conftest import run_script, script_in_process
+from conftest import script_in_process
 from memory_viz_port import allocator_state, annotate, process_alloc_data
 from timm_ext.memory_model.allocator import CachingAllocator
 from timm_ext.memory_model.allocator_config import parse_allocator_conf
@@ -200,8 +200,9 @@ def assert_read_as_written(path, home, monkeypatch, capsys) -> None:
 
 def test_validate_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monkeypatch, capsys):
     path = tmp_path / 's.pickle'
-    done = run_script('validate.py', '--model', 'test_vit', '--device', 'cuda', '--mem-budget', '2GiB',
-                      '--estimate', '--memory-snapshot', path, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    done = script_in_process('validate.py', '--model', 'test_vit', '--device', 'cuda', '--mem-budget', '2GiB',
+                             '--estimate', '--memory-snapshot', path)
     assert done.returncode == 0, done.stderr
     assert 'Memory snapshot (predicted' in done.stdout and '--memory-snapshot' not in done.stdout.split('command:')[1]
     assert_read_as_written(path, tmp_path, monkeypatch, capsys)
@@ -210,9 +211,10 @@ def test_validate_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monkey
 
 def test_tune_batch_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monkeypatch, capsys):
     path = tmp_path / 't.pickle'
-    done = run_script('tune_batch.py', '--model', 'test_resnet', '--img-size', '32', '--num-classes', '3', '--device',
-                      'cuda', '--mem-budget', '2GiB', '--estimate', '--memory-snapshot', path, cwd=tmp_path,
-                      env={'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True'})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('PYTORCH_CUDA_ALLOC_CONF', 'expandable_segments:True')
+    done = script_in_process('tune_batch.py', '--model', 'test_resnet', '--img-size', '32', '--num-classes', '3',
+                             '--device', 'cuda', '--mem-budget', '2GiB', '--estimate', '--memory-snapshot', path)
     assert done.returncode == 0, done.stderr
     assert pickle.loads(path.read_bytes())['allocator_settings']['expandable_segments']
     assert_read_as_written(path, tmp_path, monkeypatch, capsys)
