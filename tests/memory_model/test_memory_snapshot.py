@@ -222,9 +222,9 @@ def test_tune_batch_writes_a_snapshot_the_viewer_reads_as_written(tmp_path, monk
 
 def test_a_snapshot_needs_the_estimate_and_a_cuda_device(tmp_path):
     without = script_in_process('validate.py', '--model', 'resnet18', '--device', 'cuda', '--memory-snapshot',
-                         tmp_path / 's.pickle', '--data-dir', tmp_path)
+                                tmp_path / 's.pickle', '--data-dir', tmp_path)
     assert without.returncode != 0 and 'add --estimate' in without.stderr and 'Traceback' not in without.stderr
-    cpu = script_in_process('tune_batch.py', '--model', 'resnet18', '--device', 'cpu', '--estimate', '--memory-snapshot',
-                     tmp_path / 's.pickle')
+    cpu = script_in_process('tune_batch.py', '--model', 'resnet18', '--device', 'cpu', '--estimate',
+                            '--memory-snapshot', tmp_path / 's.pickle')
     assert cpu.returncode != 0 and 'add --device cuda' in cpu.stderr and 'Traceback' not in cpu.stderr
     assert not (tmp_path / 's.pickle').exists()
