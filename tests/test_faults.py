@@ -88,7 +88,7 @@ def small_disk(tmp_path):
 def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, small_disk):
     run = small_disk / 'run'
     first = train_in_process('--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
-                       *DISK_RUN, '--epochs', '3')
+                             *DISK_RUN, '--epochs', '3')
     assert first.returncode == 0, first.stderr[-3000:]
     before = digests(run)
     assert {'last.pth.tar', 'model_best.pth.tar', 'summary.csv', 'last.safetensors', 'model_best.safetensors'} <= set(
@@ -99,7 +99,7 @@ def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, s
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     filler.write_bytes(b'\0' * (free - 64 * 1024))
     full = train_in_process('--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
-                      *DISK_RUN, '--epochs', '5', '--resume', run / 'last.pth.tar')
+                            *DISK_RUN, '--epochs', '5', '--resume', run / 'last.pth.tar')
     assert full.returncode == 1
     errors = error_lines(full.stderr)
     assert len(errors) == 1 and f'no space left in {run}: writing last.pth.tar needs about' in errors[0], errors
@@ -114,7 +114,7 @@ def test_disk_full_while_saving_keeps_previous_files_and_resumes(image_folder, s
 
     filler.unlink()
     resumed = train_in_process('--data-dir', image_folder, '--output', small_disk, '--experiment', 'run',
-                         *DISK_RUN, '--epochs', '5', '--resume', run / 'last.pth.tar')
+                               *DISK_RUN, '--epochs', '5', '--resume', run / 'last.pth.tar')
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary_epochs(run / 'summary.csv') == [0, 1, 2, 3, 4]
 
@@ -155,7 +155,7 @@ def test_signal_stops_after_an_update_with_a_resumable_checkpoint(long_folder, t
     if signum == signal.SIGINT:
         return  # the same checkpoint as SIGTERM's; resuming it is checked once
     resumed = train_in_process('--data-dir', long_folder, '--output', out, '--experiment', 'run', *BASE,
-                         '--epochs', epoch + 1, '--resume', recovery)
+                               '--epochs', epoch + 1, '--resume', recovery)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f'Resuming epoch {epoch} at update {updates_done}/30' in resumed.stderr
     assert summary_epochs(out / 'run' / 'summary.csv') == list(range(epoch + 1))

@@ -93,8 +93,9 @@ def test_short_run_writes_noise_scale_csv(tmp_path):
     # these small batches (at 2 vs 4 and 6 pairs, noise can still dominate it: "no positive estimate yet")
     data = make_image_folder(tmp_path / 'data', per_class=32)
     result = train_in_process('--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split', '',
-                        '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
-                        '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '1', '--log-noise-scale')
+                              '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+                              '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '1',
+                              '--log-noise-scale')
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / 'run'
     with open(run / 'noise_scale.csv', newline='') as f:
@@ -111,9 +112,10 @@ def test_short_run_writes_noise_scale_csv(tmp_path):
 
     # resume for a second epoch: the EMAs continue from the checkpoint instead of starting over
     resumed = train_in_process('--data-dir', data, '--output', tmp_path, '--experiment', 'run', '--val-split',
-                         '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
-                         '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '2', '--log-noise-scale',
-                         '--resume', str(run / 'last.pth.tar'))
+                               '', '--model', 'test_vit', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+                               '--workers', '0', '-b', '4', '--grad-accum-steps', '4', '--epochs', '2',
+                               '--log-noise-scale',
+                               '--resume', str(run / 'last.pth.tar'))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     with open(run / 'noise_scale.csv', newline='') as f:
         rows = list(csv.DictReader(f))

@@ -293,8 +293,8 @@ def test_resume_starts_at_the_saved_micro_batch_and_grows_back(capped_single, vi
     assert capped.returncode == 0, capped.stderr[-3000:]
     saved = load_training_checkpoint(out / 'cap' / 'last.pth.tar')['micro_batch']['micro_batch']
     resumed = train_in_process('--data-dir', vit_data, '--output', out, *VIT, '--experiment', 'resumed', '-b', '48',
-                         '--grad-accum-steps', '2', '--no-aug', '--epochs', '2', '--oom-recover', '--oom-grow-back',
-                         '1', '--resume', out / 'cap' / 'last.pth.tar')
+                               '--grad-accum-steps', '2', '--no-aug', '--epochs', '2', '--oom-recover',
+                               '--oom-grow-back', '1', '--resume', out / 'cap' / 'last.pth.tar')
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing with the checkpoint's micro-batch {saved}" in resumed.stderr
     grown = [line for line in resumed.stderr.splitlines() if 'trying the larger micro-batch again' in line]

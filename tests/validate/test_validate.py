@@ -53,9 +53,9 @@ def trained_run(image_folder, tmp_path_factory):
     """Output folder of a 2-epoch run of our train.py with EMA (EMA decay 0.5 keeps it apart from the weights)."""
     out = tmp_path_factory.mktemp('train')
     result = train_in_process('--data-dir', image_folder, '--output', out, '--experiment', 'run',
-                        '--model', 'test_resnet', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
-                        '--workers', '0', '-b', '8', '--epochs', '2', '--lr', '0.05', '--warmup-epochs', '0',
-                        '--model-ema', '--model-ema-decay', '0.5')
+                              '--model', 'test_resnet', '--num-classes', '3', '--img-size', '32', '--device', 'cpu',
+                              '--workers', '0', '-b', '8', '--epochs', '2', '--lr', '0.05', '--warmup-epochs', '0',
+                              '--model-ema', '--model-ema-decay', '0.5')
     assert result.returncode == 0, result.stderr[-2000:]
     run = out / 'run'
     rows = list(csv.DictReader((run / 'summary.csv').open()))
