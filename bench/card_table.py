@@ -13,8 +13,9 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from timm_ext.memory_model.cards import (  # noqa: E402
-    CARDS, COMPUTE_CAPABILITY_SOURCE, CONTEXT_MEASUREMENTS, MODULES_BYTES, MODULES_HIGH, MODULES_LOW, MODULES_SOURCE,
+from timm_ext.memory_model.cards import CARDS, COMPUTE_CAPABILITY_SOURCE  # noqa: E402
+from timm_ext.memory_model.contexts import (  # noqa: E402
+    CONTEXT_MEASUREMENTS, MODULES_BYTES, MODULES_HIGH, MODULES_LOW, MODULES_SOURCE,
 )
 from timm_ext.memory_model.versions import RELEASES  # noqa: E402
 
@@ -43,8 +44,9 @@ def card_rows() -> List[str]:
         rows.append(f'| `{card.name}`{aliases} | {card.title} | {_gib(card.reported_bytes)} | {major}.{minor} | '
                     f'{contexts} | {_gib(card.allocator_bytes)} | {card.reported_source}{note} |')
     rows += ['', f'Compute capabilities: {COMPUTE_CAPABILITY_SOURCE}. A card\'s CUDA context (outside the caching '
-             f'allocator) is the largest bare context published for its generation under the run\'s module loading '
-             f'(`cards.cuda_context`; "assumed": none published for that generation, the largest of any card taken), '
+             f'allocator) is the bare context published under the run\'s module loading for its torch and CUDA, else for '
+             f'its generation, the largest within (`contexts.cuda_context`; "assumed": neither published, the largest '
+             f'of any card taken), '
              f'plus {_gib(MODULES_BYTES)} of kernel modules a step loads after it ({MODULES_SOURCE}; seen from '
              f'{_gib(MODULES_LOW)}, up to an assumed {_gib(MODULES_HIGH)}). The published bare contexts:', '',
              '| module loading | bare context | compute capability | what was measured | source |',

@@ -1,9 +1,10 @@
-"""The CUDA context per card generation and software (`cards.cuda_context`), and the capacities at the smallest figure
+"""The CUDA context per card generation and software (`contexts.cuda_context`), and the capacities at the smallest figure
 CUDA was seen to report."""
 import pytest
 
-from timm_ext.memory_model.cards import (CARDS, CONTEXT_MEASUREMENTS, MODULES_BYTES, MODULES_HIGH, MODULES_LOW,
-                                         cuda_context, module_loading)
+from timm_ext.memory_model.cards import CARDS
+from timm_ext.memory_model.contexts import (CONTEXT_MEASUREMENTS, MODULES_BYTES, MODULES_HIGH, MODULES_LOW,
+                                            cuda_context, module_loading)
 from timm_ext.memory_model.versions import PINNED, RELEASES, Software
 
 GiB = 1 << 30
