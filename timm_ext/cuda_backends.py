@@ -4,7 +4,7 @@ Stock timm's train.py and validate.py turn on `torch.backends.cuda.matmul.allow_
 CUDA is there. A probe that times its trials without them times another regime (full fp32 matmuls, other cuDNN
 algorithms with other workspaces), so train.py, validate.py, tune_batch.py and the critical-batch warm-up all call
 `configure_cuda_backends` before their first CUDA work. `CUDA_GRAPH_MODES` names the torch.compile modes that record
-CUDA graphs, whose private memory pools `empty_cache` does not release.
+CUDA graphs, whose tree's memory pool `empty_cache` does not release.
 """
 from typing import Union
 

@@ -17,9 +17,11 @@ Three things differ from the run on purpose, each to keep a trial one honest, se
 * float16 AMP's loss scaler starts at `PROBE_LOSS_SCALE` (1), not 65536: a fresh scaler's first updates overflow
   and skip the optimizer step, which then allocates no optimizer state and times a cheaper step than the run's.
 * `--torchcompile-mode` with CUDA graphs ('reduce-overhead', 'max-autotune') is probed without them
-  (`probe_compile_mode`): the graphs recorded for each batch size keep private memory pools that `empty_cache`
-  does not release, so every trial would also pay for the pools of the sizes tried before it. Memory is the same
-  but for the graphs' static input copies; step times lack the launch overhead the graphs save (small batches).
+  (`probe_compile_mode`): CUDA graph trees record every graph of the device into one memory pool
+  (torch/_inductor/cudagraph_trees.py), which keeps its segments and the last replay's outputs between steps and
+  which `empty_cache` does not release, so every trial would also pay for what the sizes tried before it left there.
+  Memory is the same but for the graphs' static input copies and what the pool keeps; step times lack the launch
+  overhead the graphs save (small batches).
 
 A trial's warm-up (`TrainTrialSetup.warmup`) is train.py's first epoch boundary in small: one update, then one
 evaluation forward at every batch shape train.py's eval pass runs (the eval batch, and the smaller last batch of the

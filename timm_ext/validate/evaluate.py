@@ -358,7 +358,7 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
             _logger.warning(f'Batch size {batch_size} ran out of memory after {totals.samples} samples '
                             f'({one_line(e)}); continuing at {smaller}.')
             if em.device.type == 'cuda' and args.torchcompile and args.torchcompile_mode in CUDA_GRAPH_MODES:
-                torch._dynamo.reset()  # the failed size's graphs keep their private pools past empty_cache
+                torch._dynamo.reset()  # the failed size's graphs keep their tree's pool past empty_cache
             _release(e, em.device)
             del loader
             if not smaller:
