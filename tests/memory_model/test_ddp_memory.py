@@ -166,9 +166,11 @@ def _ddp_args(world_size: int, *flags: str):
 
 def test_a_ddp_rank_peaks_at_least_a_float32_gradient_copy_above_one_process():
     """The per-rank estimate of an 8-process plan holds DDP's buckets, resident, beside the gradients (test_resnet
-    with a 40000-class head: ~16 MB of gradients, its head's bucket above the allocator's 10 MiB). Its live peak is at
-    least one float32 copy of the gradients above the one-process peak; so is the replay's, but for a bucket under
-    10 MiB, which may share the free space of a 20 MiB segment (CUDACachingAllocator.cpp `get_allocation_size`)."""
+    with a 40000-class head: ~16 MB of gradients, its head's bucket above the allocator's 10 MiB). Its live peak (the
+    trace's) is one float32 copy of the gradients above the one-process peak, exactly; the replay's least memory is at
+    least that much above, but for a bucket under 10 MiB, which may share the free space of a 20 MiB segment
+    (CUDACachingAllocator.cpp `get_allocation_size`). The blocks live at the replay's peak are not compared: that
+    moment is where the allocator needs most, which the float32 loss of CUDA autocast's log_softmax can move."""
     one, eight = estimate_memory(_ddp_args(1), 'cuda'), estimate_memory(_ddp_args(8), 'cuda')
     model = timm.create_model('test_resnet', num_classes=40000)
     gradient_copy = sum(p.numel() * 4 for p in model.parameters())
@@ -176,9 +178,7 @@ def test_a_ddp_rank_peaks_at_least_a_float32_gradient_copy_above_one_process():
     assert sum(held) == gradient_copy and len(held) == 2 and held[1] > 10 * MiB  # the rest, then the head's bucket
     shares_a_segment = held[0]
     for batch in (16, 64):
-        live = {name: value for name, value in eight.categories(batch).items() if name != 'segments'}
-        alone = {name: value for name, value in one.categories(batch).items() if name != 'segments'}
-        assert eight.device.counted(live) >= one.device.counted(alone) + gradient_copy
+        assert eight.device.counted(eight.traced[batch]) == one.device.counted(one.traced[batch]) + gradient_copy
         assert eight.peak(batch) >= one.peak(batch) + gradient_copy - shares_a_segment
     assert not _resident_buckets(one.replay.scaled.at(64))
 

@@ -12,12 +12,15 @@ from timm_ext.memory_model.versions import (
 from tests.conftest import REPO_ROOT
 
 
-def test_installed_software_is_read_from_this_torch():
+def test_installed_software_is_read_from_this_torch_without_a_cuda_context(monkeypatch):
+    initialized = []
+    monkeypatch.setattr(torch.cuda, '_lazy_init', lambda: initialized.append(True))  # what a device query would do
     software = installed_software()
+    assert not initialized
     assert '.'.join(map(str, software.torch)) == torch.__version__.split('+')[0]
     if torch.version.cuda:
         assert '.'.join(map(str, software.cuda)) == torch.version.cuda
-        assert software.cudnn_number == torch.backends.cudnn.version()
+        assert software.cudnn_number == torch._C._cudnn.getVersionInt()
 
 
 def test_cudnn_number_follows_cudnn_h():
@@ -83,7 +86,7 @@ def torch_2_6(monkeypatch):
     """This process's torch claims to be 2.6.0+cu124 with cuDNN 9.1.0 (only 2.14.1 installs here)."""
     monkeypatch.setattr(torch, '__version__', '2.6.0+cu124')
     monkeypatch.setattr(torch.version, 'cuda', '12.4')
-    monkeypatch.setattr(torch.backends.cudnn, 'version', lambda: 90100)
+    monkeypatch.setattr(torch._C._cudnn, 'getRuntimeVersion', lambda: (9, 1, 0))
 
 
 def test_run_software_says_what_it_modelled(torch_2_6):

@@ -80,18 +80,19 @@ PINNED = RELEASES[-1]  # requirements.txt's torch, and its wheel's CUDA and cuDN
 
 
 def installed_software() -> Software:
-    """The software of this process's torch (a build without CUDA plans with its release's CUDA and cuDNN)."""
+    """The software of this process's torch (a build without CUDA plans with its release's CUDA and cuDNN).
+
+    cuDNN's version is the loaded library's own (`cudnnGetVersion`, through `torch._C._cudnn`), not
+    `torch.backends.cudnn.version()`, which queries every device first: a plan must not create a CUDA context in a
+    process that hands the GPU to its training children.
+    """
     import torch
     version = _version(torch.__version__, 3)
-    cuda = _version(torch.version.cuda, 2) if torch.version.cuda else None
-    cudnn_number = torch.backends.cudnn.version() if cuda else None
-    if cuda is None:
+    if not torch.version.cuda:
         return Software(version, None, None)
-    cudnn = None
-    if cudnn_number:
-        scale = 10000 if cudnn_number >= 90000 else 1000
-        cudnn = (cudnn_number // scale, cudnn_number % scale // 100, cudnn_number % 100)
-    return Software(version, cuda, cudnn)
+    cudnn_module = getattr(torch._C, '_cudnn', None)
+    cudnn = tuple(cudnn_module.getRuntimeVersion()) if cudnn_module is not None else None
+    return Software(version, _version(torch.version.cuda, 2), cudnn)
 
 
 def parse_software(text: str) -> Software:
