@@ -107,6 +107,9 @@ def test_fatal_cuda_errors_never_retried(message):
     # the output tensor's, which PyTorch's own allocator makes and reports first ("DefaultCPUAllocator"); which one
     # a tight cap hits depends on oneDNN's choice of implementation for the CPU. The real text stands in.
     'could not execute a primitive',
+    # C++'s operator new under the cap: seen in tests/tune/test_tune_batch.py's probe of test_vit under 2 MiB, once
+    # in a fresh clone's run; like the scratchpad's, which allocation a tight cap hits first cannot be forced
+    'std::bad_alloc',
 ])
 def test_onednn_primitive_failure_is_oom_only_under_a_cpu_cap(message):
     # oneDNN's wording when an allocation fails under RLIMIT_DATA; without a cap the same words can mean anything.

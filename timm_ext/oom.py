@@ -33,8 +33,9 @@ OOM_MESSAGES = (
 # speaking; without one it may be anything (a configuration oneDNN does not implement), so these count as an OOM only
 # while capped. A thread that cannot start says EAGAIN ("Resource temporarily unavailable", the autograd engine's
 # workers at a step's first backward): its stack is a private mapping, which RLIMIT_DATA counts since Linux 4.7.
+# C++'s `operator new` failing surfaces as "std::bad_alloc" (an ATen or oneDNN structure, not a tensor's storage).
 CAPPED_CPU_OOM_MESSAGES = ('could not create a primitive', 'could not execute a primitive',
-                           'resource temporarily unavailable')
+                           'resource temporarily unavailable', 'std::bad_alloc')
 
 # Lower-cased fragments of errors that must never be retried, even when they mention memory.
 FATAL_MESSAGES = (
