@@ -96,7 +96,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
     add_software_argument(group)
     group.add_argument('--mem-headroom', type=float, default=None, metavar='FRAC',
                        help='fraction of the budget the chosen batch leaves free, judged on measured peak memory '
-                            '(default: 0.05 on CPU, where peaks are the same in every process; 0.1 on CUDA)')
+                            '(default: 0.05 on CPU, where peaks are the same in every process; 0.1 on a CUDA device; '
+                            'with --estimate on CUDA the model\'s error measured on timm\'s GPU tables, which the '
+                            'plan names)')
     group.add_argument('--select', default='auto', choices=SELECTIONS,
                        help="auto: keep the recipe's global batch (-b x ranks x --grad-accum-steps, or "
                             "--target-global-batch) at its fastest split; when the recipe sets none, a bigger one "
