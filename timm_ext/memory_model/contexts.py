@@ -6,12 +6,12 @@ published for that software or generation (`CONTEXT_MEASUREMENTS`, each with its
 step loads after it (`MODULES_BYTES`). `timm_ext.memory_model.cards` gives each named card its context.
 """
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..memory import format_bytes
 from .versions import PINNED, Software
 
-__all__ = ['CudaContext', 'ContextMeasurement', 'CONTEXTS', 'CONTEXT_MEASUREMENTS', 'MODULES_BYTES', 'MODULES_LOW',
+__all__ = ['CudaContext', 'ContextMeasurement', 'CONTEXT_MEASUREMENTS', 'MODULES_BYTES', 'MODULES_LOW',
            'MODULES_HIGH', 'MODULES_SOURCE', 'cuda_context', 'module_loading']
 
 MiB = 1 << 20
@@ -142,8 +142,3 @@ def cuda_context(compute_capability: Optional[Tuple[int, int]], software: Softwa
     return CudaContext(f'{loading} loading, {generation}', bare.nbytes + MODULES_BYTES,
                        min(m.nbytes for m in seen) + MODULES_LOW, max(m.nbytes for m in seen) + MODULES_HIGH,
                        bare.source, basis, bool(same or same_software))
-
-
-# one context per loading mode on a card of no known generation (what bench/card_table.py lists)
-CONTEXTS: Dict[str, CudaContext] = {c.name: c for c in (
-    cuda_context(None, PINNED), cuda_context(None, Software((1, 12, 1), (11, 3), (8, 3, 2))))}
