@@ -1,4 +1,5 @@
-"""The software a plan models: read from the installed torch, named with --software, the nearest covered release."""
+"""The software a plan models: read from the installed torch or named with --software; its own rules from 1.12 to 2.14,
+the nearest covered release outside."""
 import importlib.util
 
 import pytest
@@ -63,16 +64,21 @@ def test_software_flag_needs_a_cuda_estimate():
     assert software_flag_problem(None, 'cpu', estimate=False) is None
 
 
-@pytest.mark.parametrize('asked,torch_used', [
-    ((2, 6, 0), (2, 9, 1)), ((1, 13, 1), (1, 12, 1)), ((2, 12, 0), (2, 14, 1)), ((3, 1, 0), (2, 14, 1)),
-    ((2, 9, 0), (2, 9, 1)),
-])
-def test_an_uncovered_torch_is_planned_with_the_nearest_release_and_said(asked, torch_used):
+@pytest.mark.parametrize('asked,torch_used', [((1, 11, 0), (1, 12, 1)), ((3, 1, 0), (2, 14, 1)), ((2, 15, 0), (2, 14, 1))])
+def test_only_a_torch_outside_the_span_is_planned_with_the_nearest_release_and_said(asked, torch_used):
     modelled, note = modelled_software(Software(asked, (12, 4), (9, 1, 0)))
     assert modelled.torch == torch_used
     assert modelled.cuda == (12, 4) and modelled.cudnn == (9, 1, 0), 'the run\'s own CUDA and cuDNN are kept'
-    assert f"torch {'.'.join(map(str, asked))} is not covered" in note
-    assert f"rules of torch {'.'.join(map(str, torch_used))}" in note
+    assert f"torch {'.'.join(map(str, asked))} is outside the releases the model's rules cover (1.12 to 2.14)" in note
+    assert f"nearest covered release, torch {'.'.join(map(str, torch_used))}" in note
+
+
+@pytest.mark.parametrize('asked', [(1, 13, 1), (2, 1, 2), (2, 4, 0), (2, 6, 0), (2, 9, 0), (2, 11, 0), (2, 13, 1)])
+def test_a_torch_inside_the_span_keeps_its_own_rules_and_names_its_assumptions(asked):
+    modelled, note = modelled_software(Software(asked, (12, 4), (9, 1, 0)))
+    assert modelled == Software(asked, (12, 4), (9, 1, 0))
+    assert 'nearest' not in note and 'outside' not in note
+    assert 'assumed' in note  # every one of these lies in some change's window (release_history.assumed_changes)
 
 
 def test_unknown_cuda_and_cudnn_come_from_the_release_and_are_said():
@@ -91,9 +97,9 @@ def torch_2_6(monkeypatch):
 
 def test_run_software_says_what_it_modelled(torch_2_6):
     modelled, line = run_software(None)
-    assert modelled == Software((2, 9, 1), (12, 4), (9, 1, 0))
-    assert line.startswith('Software modelled: torch 2.9.1, CUDA 12.4, cuDNN 9.1.0 (installed here: torch 2.6.0')
-    assert 'torch 2.6.0 is not covered by the model: planned with the rules of torch 2.9.1' in line
+    assert modelled == Software((2, 6, 0), (12, 4), (9, 1, 0))
+    assert line.startswith('Software modelled: torch 2.6.0, CUDA 12.4, cuDNN 9.1.0 (installed here: torch 2.6.0')
+    assert 'flash-v2 assumed with (it changed between torch 2.0.0 and 2.9.1; taken as 2.2.0)' in line
     _, named = run_software('torch=2.14.1')
     assert named == 'Software modelled: torch 2.14.1, CUDA 13.0, cuDNN 9.24.0 (named by --software; the model ' \
                     'covers it).'
@@ -109,8 +115,8 @@ def test_a_plan_names_the_faked_torch_and_the_release_used_instead(torch_2_6, ca
     assert module.main(plan) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith('Software modelled:'))
-    assert 'torch 2.6.0' in line and 'rules of torch 2.9.1' in line
-    assert "torch 2.9.1, CUDA 12.4, cuDNN 9.1.0's rules" in out  # the assumptions name the rules applied
+    assert 'torch 2.6.0' in line and 'rules of torch' not in line
+    assert "torch 2.6.0, CUDA 12.4, cuDNN 9.1.0's rules" in out  # the assumptions name the rules applied
     assert module.main(plan + ['--software', 'torch=2.14.1']) == 0
     assert 'Software modelled: torch 2.14.1, CUDA 13.0, cuDNN 9.24.0 (named by --software' in capsys.readouterr().out
 

@@ -113,7 +113,7 @@ def parse_allocator_conf(text: str, variable: str = 'PYTORCH_ALLOC_CONF',
             release are named).
     """
     release = release_rules(software)
-    if release is RELEASE_RULES[(1, 12, 1)]:
+    if release.regex_era:
         try:
             settings = parse_regex_era(text, release)
         except ValueError as e:

@@ -1,7 +1,9 @@
 """How each torch release reads the caching allocator's setting: the variables, the options it knows, its checks.
 
-Every function takes `software` (default: the pinned 2.14.1; a release the model does not cover is read as the
-nearest it does, `versions.modelled_software`); a refusal names the release it models. The setting is read into
+Every function takes `software` (default: the pinned 2.14.1); the releases below were read, and any torch between
+them is read by the era it falls in (`release_rules`: the eras' bounds are changes of
+`timm_ext.memory_model.release_history`; outside 1.12 to 2.14 the nearest release's rules, `versions.modelled_software`);
+a refusal names the run's torch. The setting is read into
 sizes by `timm_ext.memory_model.allocator_config`.
 
 torch 2.14.1 (the installed wheel's headers c10/core/AllocatorConfig.h and c10/cuda/CUDAAllocatorConfig.h, the option
@@ -41,10 +43,11 @@ around them read in a port of that file of the same era, torch_musa's, whose mes
   of 1, so `roundup_power2_divisions:1` leaves requests above 512 B unrounded (`AllocatorConfig.single_division_exact`).
 """
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from .versions import PINNED, RELEASES, Software, modelled_software
+from .release_history import ALLOCATOR_ACCELERATOR_CONFIG, ALLOCATOR_BACKEND, ALLOCATOR_EXPANDABLE, in_force
+from .versions import PINNED, RELEASES, Software, in_span, modelled_software
 
 __all__ = ['ReleaseRules', 'RELEASE_RULES', 'release_rules', 'allocator_variables', 'known_options',
            'has_expandable_segments', 'read_option', 'is_refused', 'unknown_option', 'parse_regex_era', 'VARIABLES',
@@ -92,6 +95,7 @@ class ReleaseRules:
     flags: Tuple[str, ...]
     white_space: str  # what the tokenizer drops
     split_floor_is_large_segment: bool  # max_split_size_mb >= large_segment_size (else > 20)
+    regex_era: bool = False  # 1.12.1's CachingAllocatorConfig::parseArgs (regular expressions), else a tokenizer
 
 
 RELEASE_RULES = {
@@ -110,16 +114,30 @@ RELEASE_RULES = {
         ' ', False),
     (1, 12, 1): ReleaseRules('torch 1.12.1', ('PYTORCH_CUDA_ALLOC_CONF',),
                          ('max_split_size_mb', 'roundup_power2_divisions', 'garbage_collection_threshold'), (), (), (),
-                         ' \t\n\v\f\r', False),
+                         ' \t\n\v\f\r', False, regex_era=True),
 }
 assert {release.torch for release in RELEASES} == set(RELEASE_RULES)
 
 
 def release_rules(software: Optional[Software]) -> ReleaseRules:
-    """The covered release whose rules read the setting (`versions.modelled_software`; None: the pinned one)."""
+    """The rules the run's torch reads its setting by (None: the pinned one): each era is a change of
+    `release_history`, read at the release that ends it: 1.12.1's before `ALLOCATOR_BACKEND` (2.0, assumed), 2.9.1's
+    from it (without expandable_segments before `ALLOCATOR_EXPANDABLE`, 2.1), 2.14.1's from
+    `ALLOCATOR_ACCELERATOR_CONFIG` (2.10, assumed); outside the span the model covers, the nearest release's
+    (`versions.modelled_software`). The rules carry the run's torch in their name."""
     software = software or PINNED
-    torch = software.torch if software.torch in RELEASE_RULES else modelled_software(software)[0].torch
-    return RELEASE_RULES[torch]
+    if not in_span(software):
+        software = modelled_software(software)[0]
+    if in_force(ALLOCATOR_ACCELERATOR_CONFIG, software):
+        era = RELEASE_RULES[(2, 14, 1)]
+    elif in_force(ALLOCATOR_BACKEND, software):
+        era = RELEASE_RULES[(2, 9, 1)]
+        if not in_force(ALLOCATOR_EXPANDABLE, software):
+            era = replace(era, modelled=tuple(o for o in era.modelled if o != 'expandable_segments'),
+                          flags=tuple(o for o in era.flags if o != 'expandable_segments'))
+    else:
+        era = RELEASE_RULES[(1, 12, 1)]
+    return replace(era, name=f"torch {'.'.join(map(str, software.torch))}")
 
 
 def allocator_variables(software: Optional[Software] = None) -> Tuple[str, ...]:

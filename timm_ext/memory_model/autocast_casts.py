@@ -18,7 +18,10 @@ the installed dispatcher (`torch._C._dispatch_dump_table`) shows which of their 
 `CudaAutocastCasts` does the same above autograd, so the trace saves what a CUDA step saves.
 
 The lists are the torch release's (`cuda_float32_functions`, `cuda_float32_output_functions`, `casts_upsampling`;
-`CudaAutocastCasts(software)`); the CPU side is always the installed torch's, which the trace runs:
+`CudaAutocastCasts(software)`), each difference a change of `timm_ext.memory_model.release_history` (the release
+where it appeared, or the window and the side assumed: `AUTOCAST_LISTS_20` between 1.12.1 and 2.9.1, taken as 2.0;
+`AUTOCAST_RMS_NORM` between 2.9.1 and 2.14.1, taken as 2.10); the CPU side is always the installed torch's, which the
+trace runs:
 
 * 2.14.1: the installed aten/src/ATen/autocast_mode.h (the lists above).
 * 2.9.1: the 2.9.1 wheel's ATen/autocast_mode.h: the same, less `rms_norm` (added to `AT_FORALL_FP32` after 2.9),
@@ -29,6 +32,14 @@ The lists are the torch release's (`cuda_float32_functions`, `cuda_float32_outpu
   `rms_norm` (the op did not exist) or upsampling kernel, so `interpolate` stays in half precision;
   fp32_set_opt_dtype has no `linalg_vector_norm` / `linalg_matrix_norm` (`norm` was fp32_append_dtype, which also
   returns float32 from the half input).
+
+Autocast's weight cache (`caches_weights`): autocast keeps the half-precision copy of each float32 weight it casts
+until the autocast region ends (aten/src/ATen/autocast_mode.cpp, `cached_cast`). From torch 2.10 (pytorch#165068,
+`release_history.AUTOCAST_INFERENCE_NO_CACHE`) it does not under `inference_mode`: measured on the installed 2.14.1,
+a Linear called three times under CPU autocast casts its weight once under `no_grad` and three times under
+`inference_mode`. validate.py and train.py's evaluation run `inference_mode`; the trace runs `no_grad` (see
+`timm_ext.train.trial_steps.trial_eval_forward`), so where the planned release skips the cache the trace turns
+autocast's cache off (`torch.set_autocast_cache_enabled`) and each copy lives for its op only.
 """
 from typing import Any, FrozenSet, List, Optional, Tuple
 
@@ -36,10 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .versions import PINNED, RELEASES, Software, modelled_software
+from .release_history import AUTOCAST_INFERENCE_NO_CACHE, AUTOCAST_LISTS_20, AUTOCAST_RMS_NORM, in_force
+from .versions import PINNED, Software
 
 __all__ = ['CUDA_FLOAT32_FUNCTIONS', 'CUDA_FLOAT32_OUTPUT_FUNCTIONS', 'CudaAutocastCasts', 'cuda_float32_functions',
-           'cuda_float32_output_functions', 'casts_upsampling']
+           'cuda_float32_output_functions', 'casts_upsampling', 'caches_weights']
 
 _HALF = (torch.float16, torch.bfloat16)
 _UNARY = ('acos', 'asin', 'cosh', 'erfinv', 'exp', 'expm1', 'log', 'log10', 'log2', 'log1p', 'reciprocal', 'rsqrt',
@@ -55,43 +67,43 @@ CUDA_FLOAT32_OUTPUT_FUNCTIONS = frozenset({
     torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod,
     torch.linalg.vector_norm, torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm,
 })
-# what each earlier release's CUDA lists lack, against 2.14.1's (the module doc)
-_FLOAT32_ADDED = {(2, 14, 0): frozenset({F.rms_norm, torch.rms_norm}),
-                  (2, 0, 0): frozenset({torch.logsumexp, torch.Tensor.logsumexp})}
-_OUTPUT_ADDED = {(2, 0, 0): frozenset({torch.linalg.vector_norm, torch.linalg.matrix_norm})}
-_UPSAMPLING_ADDED = (2, 0, 0)  # the first release modelled with upsample_* in AT_FORALL_FP32 (2.9.1)
 _UPSAMPLING = ('nearest', 'nearest-exact', 'linear', 'bilinear', 'bicubic', 'trilinear')  # not 'area': a pooling
 _DTYPE_FOURTH = (F.softmax, F.log_softmax)  # a positional dtype is their fourth argument (a tuple: CudaAutocastCasts)
 
 
-def _modelled_torch(software: Optional[Software]) -> Tuple[int, int, int]:
-    """The covered torch release whose lists apply (`versions.modelled_software`; None: the pinned one)."""
-    software = software or PINNED
-    if software.torch in {release.torch for release in RELEASES}:
-        return software.torch
-    return modelled_software(software)[0].torch
-
-
-def _without_later(functions: FrozenSet, added: dict, torch_version: Tuple[int, int, int]) -> FrozenSet:
-    for since, names in added.items():
-        if torch_version < since:
-            functions = functions - names
-    return functions
+def _in_force(change, software: Optional[Software]) -> bool:
+    return in_force(change, software or PINNED)
 
 
 def cuda_float32_functions(software: Optional[Software] = None) -> FrozenSet:
     """The `fp32` functions CUDA autocast casts and CPU's does not, at the release of `software` (the module doc)."""
-    return _without_later(CUDA_FLOAT32_FUNCTIONS, _FLOAT32_ADDED, _modelled_torch(software))
+    functions = CUDA_FLOAT32_FUNCTIONS
+    if not _in_force(AUTOCAST_RMS_NORM, software):
+        functions = functions - {F.rms_norm, torch.rms_norm}
+    if not _in_force(AUTOCAST_LISTS_20, software):
+        functions = functions - {torch.logsumexp, torch.Tensor.logsumexp}
+    return functions
 
 
 def cuda_float32_output_functions(software: Optional[Software] = None) -> FrozenSet:
     """The `fp32_set_opt_dtype` (and `fp32_append_dtype`) functions at the release of `software`."""
-    return _without_later(CUDA_FLOAT32_OUTPUT_FUNCTIONS, _OUTPUT_ADDED, _modelled_torch(software))
+    if _in_force(AUTOCAST_LISTS_20, software):
+        return CUDA_FLOAT32_OUTPUT_FUNCTIONS
+    return CUDA_FLOAT32_OUTPUT_FUNCTIONS - {torch.linalg.vector_norm, torch.linalg.matrix_norm}
 
 
 def casts_upsampling(software: Optional[Software] = None) -> bool:
     """Whether CUDA autocast runs `interpolate`'s upsampling kernels in float32 at the release of `software`."""
-    return _modelled_torch(software) >= _UPSAMPLING_ADDED
+    return _in_force(AUTOCAST_LISTS_20, software)
+
+
+def caches_weights(software: Optional[Software] = None, inference_mode: bool = True) -> bool:
+    """Whether autocast keeps its half-precision copies of the weights for the whole autocast region (`cached_cast`:
+    float32 leaves that require grad), or casts a weight again at each use and frees the copy after it: from
+    `release_history.AUTOCAST_INFERENCE_NO_CACHE` (torch 2.10) not under `inference_mode`, which validate.py's and
+    train.py's evaluation forwards run. A training step (grad mode) and a `no_grad` forward (timm's benchmark.py
+    before July 2025) keep the cache in every release."""
+    return not (inference_mode and _in_force(AUTOCAST_INFERENCE_NO_CACHE, software))
 
 
 def _to_float32(value: Any) -> Any:
@@ -117,12 +129,16 @@ class CudaAutocastCasts(TorchFunctionMode):
 
     Args:
         software: The torch whose CUDA lists apply (default: `versions.PINNED`; the module doc).
+        cache_weights: Whether autocast keeps its weight copies for the region, as that release does for the step
+            traced (`caches_weights`); False turns the cache off while the mode is entered.
     """
 
-    def __init__(self, software: Optional[Software] = None):
+    def __init__(self, software: Optional[Software] = None, cache_weights: bool = True):
         super().__init__()
         self._lists = (tuple(cuda_float32_functions(software)), tuple(cuda_float32_output_functions(software)),
                        casts_upsampling(software))
+        self._cache_weights = cache_weights
+        self._cache_before: List[bool] = []
 
     # the lists live in a module global while the mode is entered, not on the mode: TorchDynamo, compiling the step
     # under the mode, cannot build a guard on a mode's own attributes (torch 2.14.1: "name
@@ -133,10 +149,13 @@ class CudaAutocastCasts(TorchFunctionMode):
     # the same frame it was created": convnextv2's GRN, MetaFormers, XCiT); a tuple compares each item as Python does
     def __enter__(self):
         _ENTERED.append(self._lists)
+        self._cache_before.append(torch.is_autocast_cache_enabled())
+        torch.set_autocast_cache_enabled(self._cache_before[-1] and self._cache_weights)  # read by autocast's entry
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         _ENTERED.pop()
+        torch.set_autocast_cache_enabled(self._cache_before.pop())
         return super().__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -29,7 +29,7 @@ from ..errors import TimmExtError
 from ..train.setup import with_values
 from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
-from .autocast_casts import CudaAutocastCasts
+from .autocast_casts import CudaAutocastCasts, caches_weights
 from .cards import find_card
 from .compiled_step import compiled_for_trace, is_compile_error, unmodelled
 from .devices import DeviceModel, device_model
@@ -96,7 +96,9 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     eval_input_size = tuple(stack.data_config['input_size'])  # train.py's eval loader: the model's input size
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # CUDA autocast's float32 ops replayed under CPU autocast (they only act while autocast is on)
-    casts = CudaAutocastCasts(device.software) if device.name == 'cuda' else contextlib.nullcontext()
+    # and its weight cache as the release keeps it: evaluation forwards run inference_mode (`caches_weights`)
+    cache = step_kind == 'train' or caches_weights(device.software, inference_mode=True)
+    casts = CudaAutocastCasts(device.software, cache) if device.name == 'cuda' else contextlib.nullcontext()
     kernels = KernelSizes() if device.name == 'cuda' else None
     traced: Dict[int, Dict[str, int]] = {}
     flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs

@@ -31,6 +31,10 @@ libtorch_cuda.so decided):
     guard, read from later stored copies: the v1.12.1 text was not found), with a 1 MiB `at::empty` workspace for the
     call (aten/src/ATen/cuda/CUDABlas.cpp, `gemm_and_bias`, pytorch#73328): timm's RTX 3090 table (CUDA 11.3) ran
     none.
+  - Between those releases each rule is a change of `timm_ext.memory_model.release_history`, by the run's torch:
+    the workspace from the caching allocator and cuBLASLt's kept workspace from 2.0 (`CUBLAS_WORKSPACE_ALLOCATOR`,
+    `CUBLASLT_KEPT_WORKSPACE`: between 1.12.1 and 2.9.1, assumed 2.0), the wide default and the unified cuBLASLt
+    workspace from 2.10 (`CUBLAS_WIDE_DEFAULT`, `CUBLASLT_UNIFIED`: between 2.9.1 and 2.14.1, assumed 2.10).
 * cuDNN convolutions (aten/src/ATen/native/cudnn/Conv_v8.cpp): a plan's workspace adapts to the memory left (with
   `cudnn.benchmark` only plans whose workspace fits are kept, the largest is halved until it fits, and the cache is
   emptied after each search); the most asked is the convolution's input.
@@ -44,7 +48,10 @@ import re
 from typing import Iterator, List, Mapping, Optional, Tuple
 
 from .kernels_attention import ASSUMED_COMPUTE_CAPABILITY, attention_allocations, describe_attention
-from .versions import PINNED, RELEASES, Software, modelled_software
+from .release_history import (
+    CUBLAS_WIDE_DEFAULT, CUBLAS_WORKSPACE_ALLOCATOR, CUBLASLT_KEPT_WORKSPACE, CUBLASLT_UNIFIED, in_force,
+)
+from .versions import PINNED, Software
 
 __all__ = ['describe_op', 'cuda_allocations', 'cublas_workspace_bytes', 'cublaslt_workspace_bytes', 'cublaslt_unified',
            'Allocation']
@@ -62,20 +69,13 @@ _WORKSPACE_CONFIG = re.compile(r':([0-9]+):([0-9]+)')  # parseChosenWorkspaceSiz
 Allocation = Tuple[int, str, str]
 
 
-def _modelled_torch(software: Optional[Software]) -> Tuple[int, int, int]:
-    """The covered torch release whose rules apply (`versions.modelled_software`; None: the pinned one)."""
-    software = software or PINNED
-    if software.torch in {release.torch for release in RELEASES}:
-        return software.torch
-    return modelled_software(software)[0].torch
-
-
-def _default_cublas_bytes(compute_capability: Tuple[int, int], torch: Tuple[int, int, int]) -> int:
-    """`parseChosenWorkspaceSize`'s default: 32 MiB (":4096:8") for the release's large-workspace cards, else
-    ":4096:2:16:8" (1.12.1: cuBLAS 11's own default)."""
-    if torch >= (2, 14, 0):
+def _default_cublas_bytes(compute_capability: Tuple[int, int], software: Software) -> int:
+    """`parseChosenWorkspaceSize`'s default: 32 MiB (":4096:8") for the release's large-workspace cards (majors 9 to
+    12 from `CUBLAS_WIDE_DEFAULT`, 9.0 alone before), else ":4096:2:16:8" (before `CUBLAS_WORKSPACE_ALLOCATOR`:
+    cuBLAS 11's own default)."""
+    if in_force(CUBLAS_WIDE_DEFAULT, software):
         large = 9 <= compute_capability[0] <= 12
-    elif torch >= (2, 0, 0):
+    elif in_force(CUBLAS_WORKSPACE_ALLOCATOR, software):
         large = tuple(compute_capability[:2]) == (9, 0)
     else:
         large = False
@@ -96,7 +96,7 @@ def cublas_workspace_bytes(compute_capability: Optional[Tuple[int, int]] = None,
     if pairs:
         return sum(int(size) * KiB * int(count) for size, count in pairs)
     # unset or unparsed: the default
-    return _default_cublas_bytes(compute_capability or ASSUMED_COMPUTE_CAPABILITY, _modelled_torch(software))
+    return _default_cublas_bytes(compute_capability or ASSUMED_COMPUTE_CAPABILITY, software or PINNED)
 
 
 def _check_env(value: Optional[str]) -> Optional[bool]:
@@ -107,11 +107,11 @@ def _check_env(value: Optional[str]) -> Optional[bool]:
 def cublaslt_unified(environ: Optional[Mapping[str, str]] = None, software: Optional[Software] = None) -> bool:
     """Whether cuBLASLt shares the cuBLAS workspace: TORCH_CUBLASLT_UNIFIED_WORKSPACE, else the release's default
     (on in 2.14.1, off in 2.9.1; the module doc). 1.12.1 keeps no cuBLASLt workspace (False)."""
-    torch = _modelled_torch(software)
-    if torch < (2, 0, 0):
+    software = software or PINNED
+    if not in_force(CUBLASLT_KEPT_WORKSPACE, software):
         return False
     answer = _check_env((os.environ if environ is None else environ).get('TORCH_CUBLASLT_UNIFIED_WORKSPACE'))
-    return torch >= (2, 14, 0) if answer is None else answer
+    return in_force(CUBLASLT_UNIFIED, software) if answer is None else answer
 
 
 def cublaslt_workspace_bytes(environ: Optional[Mapping[str, str]] = None, software: Optional[Software] = None) -> int:
@@ -119,7 +119,7 @@ def cublaslt_workspace_bytes(environ: Optional[Mapping[str, str]] = None, softwa
     keeps none (1.12.1), else CUBLASLT_WORKSPACE_SIZE KiB (`parseCUDABlasLtWorkspaceSize`: 1024 when unset or not a
     number)."""
     environ = os.environ if environ is None else environ
-    if _modelled_torch(software) < (2, 0, 0) or cublaslt_unified(environ, software):
+    if not in_force(CUBLASLT_KEPT_WORKSPACE, software or PINNED) or cublaslt_unified(environ, software):
         return 0
     return _lt_size(environ)
 
@@ -132,7 +132,7 @@ def _lt_size(environ: Mapping[str, str]) -> int:
 def _lt_call_workspace(software: Software) -> int:
     """torch 1.12.1's cuBLASLt workspace, allocated for each call: 1 MiB where its addmm takes the epilogue (CUDA
     11.4 and later: the module doc), else 0."""
-    if _modelled_torch(software) >= (2, 0, 0) or software.cuda is None or software.cuda < (11, 4):
+    if in_force(CUBLASLT_KEPT_WORKSPACE, software) or software.cuda is None or software.cuda < (11, 4):
         return 0
     return 1024 * KiB
 

@@ -11,6 +11,16 @@ Which releases have it (`sdpa_available`): torch.nn.functional.scaled_dot_produc
 torch 1.12.1's torch/nn/functional.py (its PyPI wheel) has only the private `_scaled_dot_product_attention` that
 `MultiheadAttention` calls, so a 1.12.1 run computes attention op by op (timm falls back to its unfused path).
 
+Between the releases read, each rule is a change of `timm_ext.memory_model.release_history`, decided by the run's
+torch: the op from 2.0 (`SDPA`); masks on the memory-efficient kernel from 2.1 (`SDPA_MASKED_EFFICIENT`, assumed);
+flash-attention 2 from 2.2 (`FLASH_V2`, assumed; before it flash-attention 1: head sizes up to 128, above 64 in
+training only on sm80/sm90); cuDNN tried first on H100 in 2.5.0 only (`CUDNN_SDPA_PREFERRED_25`, made opt-in by
+2.5.1), then by 2.9.1's checks from 2.9 (`CUDNN_SDPA_PREFERRED_29`) and 2.14.1's from 2.10 (`CUDNN_SDPA_RULES_210`,
+assumed); the math path's float32 upcast of half inputs from 2.5 (`MATH_SDPA_FLOAT32`, pytorch#128922 and #135964:
+before it the scores, the softmax and the scaled operands are half precision, and no float32 copy exists). The fused
+kernels take 4-d inputs in every release, so 3-d and 5-d calls (NesT, Twins, Hiera, SAM's relative-position mask) take
+the math path.
+
 Backend choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend`, `priority_order`,
 `check_prefer_cudnn_attention` and the `can_use_*` checks). v2.14.1: read against the installed libtorch_cuda.so
 (warning strings; `select_sdp_backend` disassembled: preference when the runtime cuDNN > 91500 and the major is 9 or
@@ -62,10 +72,14 @@ mask that needs a gradient).
 import os
 from typing import Iterator, List, Mapping, Optional, Tuple
 
+from .release_history import (
+    CUDNN_SDPA_DEPRIORITIZED_251, CUDNN_SDPA_PREFERRED_25, CUDNN_SDPA_PREFERRED_29, CUDNN_SDPA_RULES_210, FLASH_V2,
+    MATH_SDPA_FLOAT32, SDPA, SDPA_MASKED_EFFICIENT, in_force,
+)
 from .versions import PINNED, Software
 
 __all__ = ['ASSUMED_COMPUTE_CAPABILITY', 'MEM_EFFICIENT_TILE', 'CUDNN_ATTENTION_ROWS', 'sdpa_available',
-           'cudnn_preferred', 'cuda_attention_backend', 'describe_attention', 'attention_allocations']
+           'math_in_float32', 'cudnn_preferred', 'cuda_attention_backend', 'describe_attention', 'attention_allocations']
 
 # the card assumed where none is named: the newest generation of the named cards (RTX 5090, RTX Pro 6000: sm120)
 ASSUMED_COMPUTE_CAPABILITY = (12, 0)
@@ -83,11 +97,9 @@ _CUDNN_WIDE_HEADS_BUILT_FROM = 91000  # v2.9.1 check_cudnn_tensor_shapes: head s
 _V291_BUILT_CUDNN = {12: 90800}
 
 
-def _release(software: Software) -> Tuple[int, int, int]:
-    """The covered torch release whose sdp_utils.cpp rules apply (by torch, the versions module models the rest)."""
-    if software.torch < (2, 0, 0):
-        return 1, 12, 1
-    return (2, 9, 1) if software.torch < (2, 14, 0) else (2, 14, 1)
+def _rules_214(software: Software) -> bool:
+    """Whether sdp_utils.cpp's cuDNN rules are 2.14.1's (`release_history.CUDNN_SDPA_RULES_210`), else 2.9.1's."""
+    return in_force(CUDNN_SDPA_RULES_210, software)
 
 
 def sdpa_available(software: Optional[Software] = None) -> bool:
@@ -96,7 +108,13 @@ def sdpa_available(software: Optional[Software] = None) -> bool:
     Args:
         software: The run's (default: `versions.PINNED`).
     """
-    return _release(software or PINNED) >= (2, 0, 0)
+    return in_force(SDPA, software or PINNED)
+
+
+def math_in_float32(software: Optional[Software] = None) -> bool:
+    """Whether the math path computes half-precision inputs in float32 (`release_history.MATH_SDPA_FLOAT32`: from
+    torch 2.5; `allow_fp16_bf16_reduction_math_sdp` off, its default, is assumed)."""
+    return in_force(MATH_SDPA_FLOAT32, software or PINNED)
 
 
 def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:
@@ -120,22 +138,24 @@ def cudnn_preferred(compute_capability: Tuple[int, int], software: Optional[Soft
     """
     software = software or PINNED
     environ = os.environ if environ is None else environ
-    release = _release(software)
-    if release == (2, 14, 1):
+    if _rules_214(software):
         return (compute_capability[0] in (9, 10) and software.cudnn_number > _CUDNN_PREFERRED_ABOVE
                 and _flag(environ, 'TORCH_CUDNN_SDPA_DEPRIORITIZED') is not True)
-    if release == (2, 9, 1):
-        return (compute_capability in ((9, 0), (10, 0)) and _built_cudnn(software) >= _CUDNN_PREFERRED_BUILT_FROM
+    if in_force(CUDNN_SDPA_PREFERRED_29, software):
+        return (tuple(compute_capability) in ((9, 0), (10, 0))
+                and _built_cudnn(software) >= _CUDNN_PREFERRED_BUILT_FROM
                 and _flag(environ, 'TORCH_CUDNN_SDPA_PREFERRED') is not False)
-    return False
+    # torch 2.5.0 alone tried cuDNN first on H100 (2.5.1 made it opt-in); cuDNN 9 assumed needed
+    return (in_force(CUDNN_SDPA_PREFERRED_25, software) and not in_force(CUDNN_SDPA_DEPRIORITIZED_251, software)
+            and tuple(compute_capability) == (9, 0) and software.cudnn_number >= 90000)
 
 
-def _cudnn_can_run(release: Tuple[int, int, int], software: Software, cc: Tuple[int, int], half: bool,
-                   head_qk: int, head_v: int, keys: int, training: bool, rows: Optional[int]) -> bool:
+def _cudnn_can_run(software: Software, cc: Tuple[int, int], half: bool, head_qk: int, head_v: int, keys: int,
+                   training: bool, rows: Optional[int]) -> bool:
     """`can_use_cudnn_attention` for dense inputs (the module doc)."""
     if not (half and (8, 0) <= cc <= _NEWEST_FUSED and head_qk % 8 == 0 and head_v % 8 == 0 and keys > 1):
         return False
-    if release == (2, 9, 1):
+    if not _rules_214(software):
         wide = cc == (9, 0) and _built_cudnn(software) >= _CUDNN_WIDE_HEADS_BUILT_FROM
         return max(head_qk, head_v) <= (256 if wide else 128)
     widest = 256 if head_qk == head_v else 128
@@ -157,7 +177,6 @@ def cuda_attention_backend(dtype: str, head_qk: int, head_v: int, keys: int, fou
         rows: The batch (x windows) of the call, where it matters: v2.14.1's cuDNN refuses more than 65535.
     """
     software = software or PINNED
-    release = _release(software)
     cc = compute_capability or ASSUMED_COMPUTE_CAPABILITY
     environ = os.environ if environ is None else environ
     half = dtype in _HALF
@@ -166,16 +185,21 @@ def cuda_attention_backend(dtype: str, head_qk: int, head_v: int, keys: int, fou
 
     def flash() -> bool:
         narrow = (8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)
+        if not in_force(FLASH_V2, software):  # flash-attention 1: head sizes up to 128, above 64 in training on sm80/90
+            wide_ok = not training or head_qk <= 64 or tuple(cc) in ((8, 0), (9, 0))
+            return half and (8, 0) <= cc <= _NEWEST_FUSED and not masked and head_qk == head_v <= 128 and wide_ok
         too_wide = training and narrow and (192 < head_qk <= 224 or (head_qk > 224 and dropout))
         return half and (8, 0) <= cc <= _NEWEST_FUSED and not masked and head_qk == head_v <= 256 and not too_wide
 
     def efficient() -> bool:
         alignment = 8 if half and cc >= (7, 0) else 4 if cc >= (8, 0) else 1
         dtype_ok = dtype in ('torch.float32', 'torch.float16') or (dtype == 'torch.bfloat16' and cc >= (8, 0))
-        return (5, 0) <= cc <= _NEWEST_FUSED and dtype_ok and head_qk % alignment == 0 and head_v % alignment == 0
+        mask_ok = not masked or in_force(SDPA_MASKED_EFFICIENT, software)
+        return ((5, 0) <= cc <= _NEWEST_FUSED and dtype_ok and mask_ok and head_qk % alignment == 0
+                and head_v % alignment == 0)
 
     def cudnn() -> bool:
-        return _cudnn_can_run(release, software, cc, half, head_qk, head_v, keys, training, rows)
+        return _cudnn_can_run(software, cc, half, head_qk, head_v, keys, training, rows)
 
     checks = {'flash': flash, 'efficient': efficient, 'math': lambda: True, 'cudnn': cudnn}
     order = ['flash', 'efficient', 'math', 'cudnn']
@@ -210,19 +234,23 @@ def _round_up(n: int, to: int) -> int:
 
 
 def _math(backward: bool, training: bool, half: bool, batch: int, heads: int, queries: int, keys: int,
-          head_qk: int, head_v: int) -> Iterator[Tuple[int, str, str]]:
-    """The math path's float32 work (the module doc); 'saved' until the backward's 'release' of the same key."""
-    rows = batch * heads  # every tensor below is float32: half inputs are upcast, float32 ones stay
-    scaled_query, scaled_key = rows * queries * head_qk * 4, rows * keys * head_qk * 4
-    value_copy = rows * keys * head_v * 4 if half else 0
-    scores = rows * queries * keys * 4
-    if backward:  # gradients of the softmax and of its input, then of the operands, in float32
-        operands = (rows * queries * head_v * 4 + scaled_query + scaled_key + rows * keys * head_v * 4) if half else 0
+          head_qk: int, head_v: int, upcast: bool = True) -> Iterator[Tuple[int, str, str]]:
+    """The math path's work (the module doc); 'saved' until the backward's 'release' of the same key. `upcast`: half
+    inputs computed in float32 (`math_in_float32`); without it (torch before 2.5) everything stays in the input's
+    dtype and no float32 copy exists."""
+    wide = half and upcast
+    size = 4 if wide or not half else 2  # float32 inputs stay float32
+    rows = batch * heads
+    scaled_query, scaled_key = rows * queries * head_qk * size, rows * keys * head_qk * size
+    value_copy = rows * keys * head_v * 4 if wide else 0
+    scores = rows * queries * keys * size
+    if backward:  # gradients of the softmax and of its input, then (upcast) of the operands in float32
+        operands = (rows * queries * head_v * 4 + scaled_query + scaled_key + rows * keys * head_v * 4) if wide else 0
         yield 2 * scores + operands, 'op', 'math attention backward'
         yield 0, 'release', 'math attention saved'
         return
-    copies = (rows * queries * head_qk + rows * keys * head_qk) * 4 if half else 0  # freed once scaled
-    output = rows * queries * head_v * 4 if half else 0  # float32 before the cast back
+    copies = (rows * queries * head_qk + rows * keys * head_qk) * 4 if wide else 0  # freed once scaled
+    output = rows * queries * head_v * 4 if wide else 0  # float32 before the cast back
     if training:
         yield scaled_query + scaled_key + scores + value_copy, 'saved', 'math attention saved'
         yield copies + scores + output, 'op', 'math attention scores'
@@ -249,7 +277,8 @@ def attention_allocations(signature: str, numbers: List[int], compute_capability
     backend = cuda_attention_backend(dtype, head_qk, head_v, keys, shape == '4-d', mask == 'masked', False,
                                      training, compute_capability, environ, software, rows=batch)
     if backend == 'math':
-        yield from _math(backward, training, half, batch, heads, queries, keys, head_qk, head_v)
+        yield from _math(backward, training, half, batch, heads, queries, keys, head_qk, head_v,
+                         math_in_float32(software))
     elif backend == 'flash' and backward:
         queries_rounded = _round_up(queries, 128)
         yield 4 * batch * queries_rounded * heads * _round_up(head_qk, 32 if head_qk <= 128 else 64), 'op', \

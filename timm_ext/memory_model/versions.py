@@ -3,8 +3,13 @@
 Kernel routing, workspaces, allocator options and autocast lists change between torch, CUDA and cuDNN releases, so a
 rule of the memory model is a rule of a version (read at that release's tag). The estimate plans for the software of
 the run: the installed torch's by default (`installed_software`), or what the user names for another machine
-(`--software`, `parse_software`). The model holds the rules of `RELEASES`: a run on any other torch is planned with
-the nearest covered release (`modelled_software`), and the plan says so.
+(`--software`, `parse_software`). Every versioned rule is a function of the run's own torch, CUDA and cuDNN, holding
+the release where its behaviour changed (`timm_ext.memory_model.release_history`), so any torch from 1.12 to 2.14
+(`COVERED_SPAN`) is planned by the rules in force at that release; where a change's release is not pinned the plan
+names the side it assumed. Outside that span a run is planned with the nearest release of `RELEASES`
+(`modelled_software`), and the plan says so. `RELEASES` are the points whose wheels were read and whose tables
+calibrate the model; `WHEELS` gives the CUDA and cuDNN of other releases' default wheels, for a `--software` that
+names only torch.
 
 Where each release's figures were read:
 
@@ -24,9 +29,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..errors import UsageError
+from .release_history import assumed_changes
 
-__all__ = ['Software', 'RELEASES', 'PINNED', 'installed_software', 'parse_software', 'modelled_software',
-           'run_software', 'software_flag_problem', 'add_software_argument']
+__all__ = ['Software', 'RELEASES', 'PINNED', 'COVERED_SPAN', 'WHEELS', 'installed_software', 'parse_software',
+           'modelled_software', 'run_software', 'software_flag_problem', 'add_software_argument']
 
 Version = Tuple[int, ...]
 
@@ -77,6 +83,17 @@ RELEASES: Tuple[Software, ...] = (
     Software((2, 14, 1), (13, 0), (9, 24, 0)),
 )
 PINNED = RELEASES[-1]  # requirements.txt's torch, and its wheel's CUDA and cuDNN
+COVERED_SPAN = ((1, 12), (2, 14))  # the minor releases whose rules the model holds (release_history)
+# the CUDA and cuDNN of each minor release's default PyPI wheel (its Requires-Dist nvidia-cudnn-cu1x pin), where a
+# --software names only torch: recalled from the wheels' METADATA, not re-read here (an assumption the plan names);
+# 2.11 to 2.13 are assumed to ship what 2.14.1 ships
+WHEELS = {
+    (1, 13): ((11, 7), (8, 5, 0)), (2, 0): ((11, 7), (8, 5, 0)), (2, 1): ((12, 1), (8, 9, 2)),
+    (2, 2): ((12, 1), (8, 9, 2)), (2, 3): ((12, 1), (8, 9, 2)), (2, 4): ((12, 1), (9, 1, 0)),
+    (2, 5): ((12, 4), (9, 1, 0)), (2, 6): ((12, 4), (9, 1, 0)), (2, 7): ((12, 6), (9, 5, 1)),
+    (2, 8): ((12, 8), (9, 10, 2)), (2, 10): ((12, 8), (9, 10, 2)), (2, 11): ((13, 0), (9, 24, 0)),
+    (2, 12): ((13, 0), (9, 24, 0)), (2, 13): ((13, 0), (9, 24, 0)),
+}
 
 
 def installed_software() -> Software:
@@ -122,6 +139,19 @@ def parse_software(text: str) -> Software:
                     found.get('cudnn', base.cudnn if base else None))
 
 
+def _wheel(torch: Version) -> Optional[Tuple[Tuple[int, int], Tuple[int, int, int]]]:
+    """(CUDA, cuDNN) of that torch's default wheel: a covered release's own, else `WHEELS`' (None: not known)."""
+    same = [r for r in RELEASES if r.torch[:2] == tuple(torch[:2])]
+    if same:
+        return same[0].cuda, same[0].cudnn
+    return WHEELS.get(tuple(torch[:2]))
+
+
+def in_span(software: Software) -> bool:
+    """Whether the model's versioned rules reach this torch (`COVERED_SPAN`)."""
+    return COVERED_SPAN[0] <= tuple(software.torch[:2]) <= COVERED_SPAN[1]
+
+
 def _distance(a: Optional[Version], b: Optional[Version]) -> int:
     """How far apart two (major, minor) versions are, majors first (None is the farthest)."""
     if a is None or b is None:
@@ -130,24 +160,36 @@ def _distance(a: Optional[Version], b: Optional[Version]) -> int:
 
 
 def modelled_software(software: Software) -> Tuple[Software, str]:
-    """The software whose rules plan `software`, and a note for the plan ('' where the model covers it).
+    """The software whose rules plan `software`, and a note for the plan ('' where nothing was assumed).
 
-    torch's own rules are those of the covered release of the nearest torch (by minor release). The run's CUDA and
-    cuDNN are kept: the rules that depend on them (the CUDA context, cuDNN's routing) are functions of their own
-    versions; one not known (a build without CUDA, or left out of `--software`) is that release's.
+    From torch 1.12 to 2.14 (`COVERED_SPAN`) the run's torch is kept: every rule is a function of it, and the note
+    names each change whose release is not pinned and which side of it the plan took
+    (`release_history.assumed_changes`). Outside the span torch's rules are those of the nearest release of
+    `RELEASES` (by minor release), and the note says so. The run's CUDA and cuDNN are kept: the rules that depend on
+    them are functions of their own versions; one not known (a build without CUDA, or left out of `--software`) is
+    that torch's default wheel's (`WHEELS`), else the nearest release's.
     """
     nearest = min(RELEASES, key=lambda r: (_distance(r.torch[:2], software.torch[:2]), r.torch != software.torch,
                                            _distance(r.cuda, software.cuda), r.torch))
-    modelled = Software(nearest.torch, software.cuda or nearest.cuda, software.cudnn or nearest.cudnn)
+    inside = in_span(software)
+    wheel = _wheel(software.torch) if inside else None
+    cuda, cudnn = wheel if wheel else (nearest.cuda, nearest.cudnn)
+    modelled = Software(software.torch if inside else nearest.torch, software.cuda or cuda, software.cudnn or cudnn)
     notes = []
-    if modelled.torch != software.torch:
-        notes.append(f'torch {_dotted(software.torch)} is not covered by the model: planned with the rules of torch '
-                     f'{_dotted(modelled.torch)}')
+    if not inside:
+        notes.append(f'torch {_dotted(software.torch)} is outside the releases the model\'s rules cover '
+                     f'({_dotted(COVERED_SPAN[0])} to {_dotted(COVERED_SPAN[1])}): planned with the rules of the '
+                     f'nearest covered release, torch {_dotted(modelled.torch)}')
     unknown = [f'{name} {_dotted(value)}' for name, value, known in (('CUDA', modelled.cuda, software.cuda),
                                                                       ('cuDNN', modelled.cudnn, software.cudnn))
                if known is None]
     if unknown:
-        notes.append(f"{' and '.join(unknown)} assumed (torch {_dotted(nearest.torch)}'s wheel)")
+        whose = f"torch {_dotted(nearest.torch)}'s wheel" if not wheel else (
+            f"torch {_dotted(software.torch[:2])}'s default wheel" + ('' if any(
+                r.torch[:2] == tuple(software.torch[:2]) for r in RELEASES) else ', as recalled'))
+        notes.append(f"{' and '.join(unknown)} assumed ({whose})")
+    if inside:
+        notes.extend(assumed_changes(modelled))
     return modelled, '; '.join(notes)
 
 
@@ -182,5 +224,6 @@ def add_software_argument(group) -> None:
     group.add_argument('--software', default=None, metavar='SPEC',
                        help="with --estimate: plan for this torch, CUDA and cuDNN instead of the installed ones, "
                             "e.g. 'torch=2.9.1,cuda=13.0,cudnn=9.13.0' (cuda and cudnn default to that torch's "
-                            "wheel); covered: " + '; '.join(map(str, RELEASES)) + '. Others are planned with the '
-                            "nearest covered release, and the plan says so")
+                            "wheel); any torch from 1.12 to 2.14 is planned with the rules in force at that release "
+                            "(the plan names what it assumed), others with the nearest of: "
+                            + '; '.join(map(str, RELEASES)))
