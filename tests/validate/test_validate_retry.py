@@ -202,3 +202,30 @@ def test_real_non_oom_error_in_the_pass_is_one_line_and_not_retried(image_folder
     assert 'ran out of memory' not in proc.stderr and 'continuing at' not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith('validate.py: error: ')
     assert proc.stderr.count('Test: [') == 0
+
+
+def test_retry_starts_at_the_prediction_without_headroom_and_steps_down_from_it(image_folder, checkpoint, tmp_path):
+    """--retry with --mem-budget: the pass starts at the estimate's own batch (no headroom: it can step down), here 12
+    for 300 MiB where the estimate with validate's 5% CPU headroom gives 11 (start 8); under the real 300 MiB cap 12
+    runs out of memory, the pass steps down to 8 and every sample is computed once."""
+    from timm_ext.validate.batch_estimate import EVAL_HEADROOM, estimate_eval_batch, start_batch
+    from timm_ext.validate.args import parse_validate_args
+    argv = ['--data-dir', str(image_folder), '--checkpoint', str(checkpoint), *CAPPED_ARGS, '--mem-budget',
+            f'{BUDGET_MIB}MiB', '-b', '64', '--retry']
+    args = parse_validate_args(argv)
+    bare = estimate_eval_batch(args, 'test_resnet', 'cpu', args.mem_budget, steps_down=True)
+    margined = estimate_eval_batch(args, 'test_resnet', 'cpu', args.mem_budget)
+    assert bare.headroom.fraction == 0 and margined.headroom.fraction == EVAL_HEADROOM
+    start = start_batch(24, bare.batch_size)
+    assert start > start_batch(24, margined.batch_size), 'the margin would have started the pass lower'
+
+    counts = tmp_path / 'forwards.json'
+    proc = run_capped(BUDGET_MIB, *argv, counts=counts)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f'(the memory estimate: {bare.batch_size}); the pass starts at {start}.' in proc.stderr
+    steps = re.findall(r'Batch size (\d+) ran out of memory after \d+ samples .*; continuing at (\d+)', proc.stderr)
+    assert steps and int(steps[0][0]) == start, 'the pass steps down from the prediction'
+    result = printed_result(proc)
+    assert result['batch_size'] < start
+    forwards = json.loads(counts.read_text())
+    assert len(forwards['completed']) == 24 and set(forwards['completed'].values()) == {1}

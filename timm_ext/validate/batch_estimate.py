@@ -2,9 +2,12 @@
 
 The forward pass validate.py runs is traced on fake tensors (`timm_ext.memory_model.estimate`, step 'validate': the weights
 alone resident, `inference_mode`, the run's AMP, dtype, layout and input size, the prefetcher's next batch held), and
-its predicted peak gives the largest batch within a budget. `--retry` then starts its pass at the largest size of
-validate's decay grid under that (when the asked `-b` is larger): an estimate that is a little high costs one step
-down of the pass, which continues from the first unfinished sample. `--estimate` prints the batch and the command
+its predicted peak gives the largest batch within a budget. `--retry` (and bulk mode) then starts its pass at the
+largest size of validate's decay grid under that (when the asked `-b` is larger), predicted with no headroom at all
+(`steps_down`): an estimate that is a little high costs one step down of the pass, which continues from the first
+unfinished sample, while a margin would cost the whole pass's throughput wherever the estimate is right. The
+headroom (`timm_ext.memory_model.headroom`; `EVAL_HEADROOM` off CUDA) is kept for plans that cannot step down:
+`--estimate`'s printed batch. `--estimate` prints the batch and the command
 without data, weights or the device, so `--device cuda --gpu a100-80gb` plans that card from a laptop
 (`timm_ext.memory_model.cards`). A budget is what the caching allocator may use, as the probe's cap is.
 """
@@ -22,11 +25,14 @@ from ..memory_model.estimate import MemoryEstimate, estimate_memory, run_device
 from ..memory_model.headroom import Headroom, estimate_headroom
 from ..train.args import parse_args as parse_train_args
 
-__all__ = ['EVAL_HEADROOM', 'EvalBatchEstimate', 'estimate_eval_batch', 'start_batch']
+__all__ = ['EVAL_HEADROOM', 'STEPPING_DOWN', 'EvalBatchEstimate', 'estimate_eval_batch', 'start_batch']
 
 # off CUDA: the pass steps down on an OOM from where it stopped, so a small margin is enough; a CUDA plan's headroom
 # is the model's measured error on timm's GPU tables (`timm_ext.memory_model.headroom`)
 EVAL_HEADROOM = 0.05
+# a pass that steps down on an out-of-memory error starts at the prediction itself
+STEPPING_DOWN = Headroom(0.0, 'none: the pass steps down the decay grid on an out-of-memory error, so it starts at '
+                              'the prediction itself')
 TRACE_BATCHES = (32, 64, 128)
 
 
@@ -92,9 +98,12 @@ def _estimate_args(args: argparse.Namespace, model_name: str) -> argparse.Namesp
 
 
 def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: str,
-                        budget_text: Optional[str] = None) -> EvalBatchEstimate:
+                        budget_text: Optional[str] = None, steps_down: bool = False) -> EvalBatchEstimate:
     """The largest batch validate.py's forward is predicted to run within `budget_text`: what the caching allocator
     may use (default: all of the card `args.gpu` names, or all the device here can still give).
+
+    `steps_down`: the batch starts a pass that steps down on an out-of-memory error (`--retry`, bulk mode), so no
+    headroom is taken (`STEPPING_DOWN`); else the measured headroom of the device's plans.
 
     Raises:
         EstimateError: The forward cannot be traced.
@@ -106,7 +115,10 @@ def estimate_eval_batch(args: argparse.Namespace, model_name: str, device_type: 
     num_bytes, usable = run_device(args, device_type).plan_in(budget or MemoryBudget(fraction=1.0), budget_text or '')
     estimate = estimate_memory(_estimate_args(args, model_name), device_type, onednn_runs(device_type),
                                TRACE_BATCHES, step_kind='validate')
-    headroom = estimate_headroom('validate') if device_type == 'cuda' else Headroom(EVAL_HEADROOM, '')
+    if steps_down:
+        headroom = STEPPING_DOWN
+    else:
+        headroom = estimate_headroom('validate') if device_type == 'cuda' else Headroom(EVAL_HEADROOM, '')
     largest = estimate.largest_batch(usable * (1 - headroom.fraction))
     return EvalBatchEstimate(largest, num_bytes, usable, estimate, headroom)
 

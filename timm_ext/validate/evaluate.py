@@ -368,11 +368,12 @@ def _evaluate_stepping_down(args, em: EvalModel, run: EvalPass, batch_size: int,
 
 def _predicted_batch(args, model_name: str, device: torch.device) -> Optional[int]:
     """The largest batch the memory estimate predicts for this forward: on CUDA, or within an asked --mem-budget
-    (None where nothing could OOM or the forward cannot be traced; the pass then starts at the asked size)."""
+    (None where nothing could OOM or the forward cannot be traced; the pass then starts at the asked size). No headroom:
+    the pass steps down on an out-of-memory error (`batch_estimate.STEPPING_DOWN`)."""
     if device.type != 'cuda' and not args.mem_budget:
         return None
     try:
-        return estimate_eval_batch(args, model_name, device.type, args.mem_budget).batch_size
+        return estimate_eval_batch(args, model_name, device.type, args.mem_budget, steps_down=True).batch_size
     except TimmExtError as e:
         _logger.info(f'No memory estimate for {model_name} ({e}); the pass starts at the asked batch size.')
         return None
