@@ -2,8 +2,8 @@
 
 Every function takes `software` (default: the pinned 2.14.1); the releases below were read, and any torch between
 them is read by the era it falls in (`release_rules`: the eras' bounds are changes of
-`timm_ext.memory_model.release_history`; outside 1.12 to 2.14 the nearest release's rules, `versions.modelled_software`);
-a refusal names the run's torch. The setting is read into
+`timm_ext.memory_model.release_history`; outside 1.12 to 2.14 the nearest release's rules,
+`versions.modelled_software`); a refusal names the run's torch. The setting is read into
 sizes by `timm_ext.memory_model.allocator_config`.
 
 torch 2.14.1 (the installed wheel's headers c10/core/AllocatorConfig.h and c10/cuda/CUDAAllocatorConfig.h, the option

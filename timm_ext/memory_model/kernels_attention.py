@@ -79,7 +79,8 @@ from .release_history import (
 from .versions import PINNED, Software
 
 __all__ = ['ASSUMED_COMPUTE_CAPABILITY', 'MEM_EFFICIENT_TILE', 'CUDNN_ATTENTION_ROWS', 'sdpa_available',
-           'math_in_float32', 'cudnn_preferred', 'cuda_attention_backend', 'describe_attention', 'attention_allocations']
+           'math_in_float32', 'cudnn_preferred', 'cuda_attention_backend', 'describe_attention',
+           'attention_allocations']
 
 # the card assumed where none is named: the newest generation of the named cards (RTX 5090, RTX Pro 6000: sm120)
 ASSUMED_COMPUTE_CAPABILITY = (12, 0)

@@ -16,7 +16,7 @@ The releases read directly (their wheels, in earlier work: `versions.RELEASES`) 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-__all__ = ['Change', 'CHANGES', 'in_force', 'assumed_changes', 'changes_for', 'dotted',
+__all__ = ['Change', 'CHANGES', 'in_force', 'assumed_changes', 'dotted',
            'SDPA', 'SDPA_MASKED_EFFICIENT', 'FLASH_V2', 'CUDNN_SDPA_PREFERRED_25', 'CUDNN_SDPA_DEPRIORITIZED_251',
            'CUDNN_SDPA_PREFERRED_29', 'CUDNN_SDPA_RULES_210', 'MATH_SDPA_FLOAT32', 'AUTOCAST_INFERENCE_NO_CACHE',
            'DEPTHWISE_64BIT_TO_CUDNN', 'DEPTHWISE_CHANNELS_LAST_REFUSED', 'DEPTHWISE_CHANNELS_LAST_FROM_915',
@@ -195,11 +195,6 @@ def in_force(change: Change, software) -> bool:
     is not in force)."""
     version = _version_of(change, software)
     return version is not None and tuple(version) >= change.since
-
-
-def changes_for(software) -> List[Change]:
-    """The changes in force for `software`."""
-    return [change for change in CHANGES if in_force(change, software)]
 
 
 def assumed_changes(software) -> List[str]:
