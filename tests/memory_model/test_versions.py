@@ -50,6 +50,7 @@ def test_parse_software(spec, expected):
 
 @pytest.mark.parametrize('spec,words', [
     ('cuda=12.8', 'names no torch'), ('torch=2.9.1,rocm=6.0', "'rocm=6.0' is not"), ('torch=two', 'not a version'),
+    ('torch=2.x', "'2.x' is not a version"), ('torch=2.9.1,cudnn=9.15.0rc', 'not a version'),
 ])
 def test_bad_software_is_one_line_naming_the_fix(spec, words):
     with pytest.raises(UsageError, match=words) as error:

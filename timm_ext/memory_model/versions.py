@@ -127,6 +127,8 @@ def parse_software(text: str) -> Software:
             raise UsageError(f'--software {text}: {item!r} is not torch=X.Y.Z, cuda=X.Y or cudnn=X.Y.Z; write e.g. '
                              f'--software torch=2.9.1,cuda=13.0,cudnn=9.13.0')
         try:
+            if not re.fullmatch(r'\d+(\.\d+){0,3}', value.strip()):  # digits only: '2.x' is not 2.0.0
+                raise ValueError(value)
             found[key] = _version(value.strip(), 3 if key != 'cuda' else 2)
         except ValueError:
             raise UsageError(f'--software {text}: {value.strip()!r} is not a version; write e.g. '
