@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from timm_ext.memory_model import compiled_step
+from timm_ext.memory_model.cards import find_card
+from timm_ext.memory_model.inductor_capture import compiling_for_trace, inductor_backend
 from timm_ext.memory_model.kernel_limits import COMPILED_TENSOR, CONVOLUTION, KernelSizes, launch_limit
 from timm_ext.memory_model.versions import RELEASES
 
@@ -60,14 +61,17 @@ def test_kernel_sizes_notes_a_convolutions_larger_tensor_input_or_output():
     assert sizes.sizes[CONVOLUTION] == 2 * 8 * 32 * 32
 
 
-def test_the_compiled_trace_notes_its_largest_tensor_under_the_name_launch_limit_reads():
-    """timm_ext/memory_model/compiled_step.py, BufferRun.__call__: each graph's largest tensor, fused ones included,
-    noted into KernelSizes as compiled_step.COMPILED_TENSOR: what marks a trace as compiled for launch_limit."""
-    assert compiled_step.COMPILED_TENSOR == COMPILED_TENSOR
-    # an AOTAutograd graph returns a tuple
-    graph = make_fx(lambda x: ((x.repeat(1, 4, 1, 1).relu() * 2).sum(1),))(torch.randn(2, 3, 8, 8))
-    with FakeTensorMode():
+def test_the_compiled_trace_notes_its_largest_buffer_under_the_name_launch_limit_reads():
+    """timm_ext/memory_model/wrapper_run.py, WrapperRun.__call__: the largest buffer a generated wrapper allocates,
+    noted into KernelSizes as COMPILED_TENSOR: what marks a trace as compiled for launch_limit. repeat, relu, * 2 and
+    the sum fuse into one reduction kernel, so its output is the only buffer (the repeated tensor never exists)."""
+    def fused(x):
+        return (x.repeat(1, 4, 1, 1).relu() * 2).sum(1)
+    with FakeTensorMode(allow_non_fake_inputs=True), compiling_for_trace():
+        torch._dynamo.reset()
+        compiled = torch.compile(fused, backend=inductor_backend(find_card('rtx4090')), dynamic=False)
         sizes = KernelSizes()
         with sizes:
-            compiled_step.BufferRun(graph, 'cuda')([torch.randn(2, 3, 8, 8)])
-    assert sizes.sizes == {COMPILED_TENSOR: 2 * 12 * 8 * 8}
+            compiled(torch.randn(2, 3, 8, 8))
+        torch._dynamo.reset()
+    assert sizes.sizes == {COMPILED_TENSOR: 2 * 8 * 8}

@@ -5,15 +5,10 @@ UserWarning (the layout heuristic was asked under `torch.backends.mkldnn.flags`,
 and MetaFormers, ConvNeXt-V2 and XCiT failed with "Guard failed on the same frame it was created" (TorchDynamo found
 no function in CudaAutocastCasts' sets when it reached the function through a tensor the graph computed).
 """
-import warnings
-
-import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from conftest import run_script
 from timm_ext.memory_model.autocast_casts import CudaAutocastCasts
-from timm_ext.memory_model.inductor_fusion import channels_last_inputs
 
 PLAN = ('--amp', '--device', 'cuda', '--gpu', 'rtx4090', '--torchcompile', '--estimate', '--img-size', '32')
 
@@ -27,21 +22,6 @@ def test_a_compiled_plan_prints_no_warning_of_torchs():
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'Compiled step:' in done.stdout
     assert _torch_warnings(done.stdout + done.stderr) == []
-
-
-@pytest.mark.parametrize('device_type', ['cpu', 'cuda'])
-def test_the_layout_heuristic_touches_no_onednn_flag_but_enabled(device_type):
-    """`channels_last_inputs` switches oneDNN as the run has it and back, and sets nothing else (a TF32 flag set in a
-    build without Intel GPU support is what printed the warning)."""
-    graph = make_fx(lambda x, w: torch.nn.functional.conv2d(x, w), tracing_mode='fake')(
-        torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3))
-    flags = (torch.backends.mkldnn.enabled, torch._C._get_onednn_allow_tf32(), torch.backends.mkldnn.deterministic)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        channels_last_inputs(graph, device_type, inference=True)
-    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
-    assert (torch.backends.mkldnn.enabled, torch._C._get_onednn_allow_tf32(),
-            torch.backends.mkldnn.deterministic) == flags
 
 
 def _grn_like(x: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,12 @@ from ..memory import BudgetError, MemoryBudget, format_bytes
 from .contexts import CudaContext, cuda_context
 from .versions import PINNED, Software
 
-__all__ = ['Card', 'CARDS', 'COMPUTE_CAPABILITY_SOURCE', 'find_card', 'card_flag_problem']
+__all__ = ['Card', 'CARDS', 'COMPUTE_CAPABILITY_SOURCE', 'MULTIPROCESSORS_SOURCE', 'find_card', 'card_flag_problem']
 
 GiB = 1 << 30
 COMPUTE_CAPABILITY_SOURCE = 'https://developer.nvidia.com/cuda-gpus'
+MULTIPROCESSORS_SOURCE = ('NVIDIA\'s architecture whitepapers (Turing, Ampere GA100 and GA102, Ada, Hopper, Blackwell) '
+                          'and the T4, L4, A10, L40S, H200, B200 and RTX PRO 6000 data sheets')
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class Card:
         aliases: Other names accepted for it (lower case).
         note: How `reported_bytes` was derived where no output of the card itself was found, or how it varies
             between drivers (an assumption the plan prints; empty: none).
+        multiprocessors: Its streaming multiprocessors (`multi_processor_count`), from NVIDIA's architecture
+            whitepapers and data sheets (`MULTIPROCESSORS_SOURCE`): inductor sizes split reductions and kernel
+            launches by it (`timm_ext.memory_model.fake_cuda`).
     """
     name: str
     title: str
@@ -50,6 +55,7 @@ class Card:
     compute_capability: Tuple[int, int]
     aliases: Tuple[str, ...] = ()
     note: str = ''
+    multiprocessors: int = 0
 
     def context(self, software: Software = PINNED) -> CudaContext:
         """The CUDA context this card holds under `software` (`cuda_context`)."""
@@ -113,35 +119,39 @@ _SEEN = 'PyTorch OOM messages "GPU 0 has a total capacity of {} GiB" in public r
 CARDS: Dict[str, Card] = {c.name: c for c in (
     Card('t4', 'NVIDIA T4', _gib(14.56), _ISSUE.format('Zheng-Chong/CatVTON', 133), (7, 5), aliases=('tesla-t4',),
          note='other drivers report up to 14.76 GiB (https://github.com/googlecolab/colabtools/issues/3439: 14.75); '
-                 'the smallest recent figure is kept'),
-    Card('l4', 'NVIDIA L4', _gib(22.03), _ISSUE.format('ArcInstitute/evo2', 190), (8, 9)),
+                 'the smallest recent figure is kept', multiprocessors=40),
+    Card('l4', 'NVIDIA L4', _gib(22.03), _ISSUE.format('ArcInstitute/evo2', 190), (8, 9), multiprocessors=58),
     Card('a10', 'NVIDIA A10', _gib(21.99), _ISSUE.format('zai-org/CogVLM', 236), (8, 6), aliases=('a10g',),
          note='an A10G (AWS\'s A10, the same 24 GB GDDR6) read 22.49 GiB under a 2022 driver '
-              '(https://github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); the recent figure is kept'),
+              '(https://github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); the recent figure is kept',
+         multiprocessors=72),
     Card('rtx3090', 'GeForce RTX 3090', _gib(23.70), _ISSUE.format('GaoLii/DSP', 10), (8, 6),
-         aliases=('3090', 'rtx-3090')),
+         aliases=('3090', 'rtx-3090'), multiprocessors=82),
     Card('rtx4090', 'GeForce RTX 4090', _gib(23.64), _ISSUE.format('TMElyralab/MuseTalk', 76), (8, 9),
-         aliases=('4090', 'rtx-4090')),
+         aliases=('4090', 'rtx-4090'), multiprocessors=128),
     Card('rtx5090', 'GeForce RTX 5090', _gib(31.36), _ISSUE.format('TrajectoryCrafter/TrajectoryCrafter', 20), (12, 0),
-         aliases=('5090', 'rtx-5090')),
-    Card('l40s', 'NVIDIA L40S', _gib(44.42), _ISSUE.format('stepfun-ai/Step-Video-T2V', 8), (8, 9)),
+         aliases=('5090', 'rtx-5090'), multiprocessors=170),
+    Card('l40s', 'NVIDIA L40S', _gib(44.42), _ISSUE.format('stepfun-ai/Step-Video-T2V', 8), (8, 9),
+         multiprocessors=142),
     Card('a100-40gb', 'NVIDIA A100 40GB', _gib(39.25), _SEEN.format('39.25'), (8, 0),
          aliases=('a100-40g', 'a100-sxm4-40gb'),
          note='other drivers report up to 39.50 GiB (https://github.com/TianheWu/CoSeR/issues/10); the smallest '
-              'figure seen is kept'),
+              'figure seen is kept', multiprocessors=108),
     Card('a100-80gb', 'NVIDIA A100 80GB', _gib(79.25), _ISSUE.format('HiDream-ai/VAREdit', 6), (8, 0),
-         aliases=('a100-80g', 'a100-sxm4-80gb')),
+         aliases=('a100-80g', 'a100-sxm4-80gb'), multiprocessors=108),
     Card('h100-80gb', 'NVIDIA H100 80GB HBM3', _gib(79.11), _ISSUE.format('vllm-project/vllm', 27508), (9, 0),
-         aliases=('h100', 'h100-sxm')),
+         aliases=('h100', 'h100-sxm'), multiprocessors=132),
     Card('h200', 'NVIDIA H200', _gib(139.72), _SEEN.format('139.72'), (9, 0), aliases=('h200-141gb',),
          note='other drivers report up to 139.81 GiB (https://github.com/sungwon-chae/arxiv_confi, etu_logging.md); '
-              'the smallest figure seen is kept'),
-    Card('b200', 'NVIDIA B200', _gib(178.35), 'https://github.com/pytorch/ao/pull/4002', (10, 0)),
+              'the smallest figure seen is kept', multiprocessors=132),
+    Card('b200', 'NVIDIA B200', _gib(178.35), 'https://github.com/pytorch/ao/pull/4002', (10, 0), multiprocessors=148),
     Card('rtx-pro-6000', 'RTX PRO 6000 Blackwell Workstation Edition', _gib(94.97),
-         _ISSUE.format('antirez/ds4', 431), (12, 0), aliases=('rtx-pro-6000-blackwell', 'rtxpro6000', 'pro6000')),
+         _ISSUE.format('antirez/ds4', 431), (12, 0), aliases=('rtx-pro-6000-blackwell', 'rtxpro6000', 'pro6000'),
+         multiprocessors=188),
     Card('rtx-pro-6000-max-q', 'RTX PRO 6000 Blackwell Max-Q Workstation Edition', _gib(94.97),
          _ISSUE.format('antirez/ds4', 431), (12, 0), aliases=('pro6000maxq', 'rtx-pro-6000-maxq'),
-         note='read on the Workstation Edition, whose 96 GB GDDR7 the Max-Q board carries too (an assumption)'),
+         note='read on the Workstation Edition, whose 96 GB GDDR7 the Max-Q board carries too (an assumption)',
+         multiprocessors=188),
 )}
 
 

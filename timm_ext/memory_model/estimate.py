@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
 from .autocast_casts import CudaAutocastCasts, caches_weights
 from .cards import find_card
-from .compiled_step import compiled_for_trace, is_compile_error, unmodelled
+from .compiled_step import compiled_for_trace, generated_by, is_compile_error, unmodelled
 from .devices import DeviceModel, device_model
 from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
@@ -103,7 +103,7 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     traced: Dict[int, Dict[str, int]] = {}
     flops, counted_at = FlopCount(), max(batches) if step_kind == 'train' else None  # only the savers read FLOPs
     # train.py's --torchcompile, before the steps take the task's modules (`timm_ext.memory_model.compiled_step`)
-    compiled = compiled_for_trace(stack.task, args.torchcompile, device.name) if args.torchcompile \
+    compiled = compiled_for_trace(stack.task, args.torchcompile, device.name, device.card) if args.torchcompile \
         else contextlib.nullcontext()
     try:
         with mode, compiled:
@@ -157,7 +157,15 @@ def _trace(args: argparse.Namespace, device: DeviceModel, batches: Sequence[int]
     log = trace_logs(steps, tracker.events, tracker.names, order) if device.name == 'cuda' else None
     return MemoryEstimate(lines, traced, device, describe, time.perf_counter() - started, grad_bytes, kernel_sizes,
                           CudaReplay(log) if log else None, flops.total / max(batches), storages,
-                          unmodelled(args.torchcompile, args.torchcompile_mode) if args.torchcompile else [])
+                          *_compiled_notes(args, device))
+
+
+def _compiled_notes(args: argparse.Namespace, device: DeviceModel) -> Tuple[List[str], str]:
+    """A compiled step's (what is not modelled, how its graphs were made) for the plan (`compiled_step`)."""
+    if not args.torchcompile:
+        return [], ''
+    return (unmodelled(args.torchcompile, args.torchcompile_mode, device.name, device.card),
+            generated_by(args.torchcompile, device.name, device.card, device.software))
 
 
 def in_child(fn: Callable[..., dict], *args: object) -> Optional[dict]:

@@ -43,6 +43,7 @@ class MemoryEstimate:
             them (on CUDA the log's first residents), role 'trainable', 'ema' or 'fixed'
             (`timm_ext.memory_model.step_facts.weight_storages`; the savers priced by a rule read it).
         unmodelled: What of a compiled step the trace does not model (`timm_ext.memory_model.compiled_step`).
+        compiled_by: How a compiled step's graphs were made (`compiled_step.generated_by`; '' when not compiled).
     """
     lines: Dict[str, Tuple[float, float]]
     traced: Dict[int, Dict[str, int]]
@@ -55,13 +56,15 @@ class MemoryEstimate:
     flops_per_sample: float = 0.0
     weight_storages: List[Tuple[int, str]] = dataclasses.field(default_factory=list)
     unmodelled: List[str] = dataclasses.field(default_factory=list)
+    compiled_by: str = ''
 
     def to_json(self) -> dict:
         """The estimate as JSON's types (what a trace's child sends back and the benchmarks cache), device aside."""
         return dict(lines=self.lines, traced=self.traced, describe=self.describe, seconds=self.seconds,
                     grad_bytes=self.grad_bytes, kernel_sizes=self.kernel_sizes,
                     log=self.replay.log if self.replay else None, flops_per_sample=self.flops_per_sample,
-                    weight_storages=self.weight_storages, unmodelled=self.unmodelled)
+                    weight_storages=self.weight_storages, unmodelled=self.unmodelled,
+                    compiled_by=self.compiled_by)
 
     @classmethod
     def from_json(cls, data: dict, device: DeviceModel,
@@ -74,7 +77,8 @@ class MemoryEstimate:
         return cls({name: tuple(line) for name, line in data['lines'].items()},
                    {int(b): split for b, split in data['traced'].items()}, device, data['describe'], data['seconds'],
                    data['grad_bytes'], data.get('kernel_sizes', {}), replay, data.get('flops_per_sample', 0.0),
-                   [tuple(storage) for storage in data.get('weight_storages', [])], data.get('unmodelled', []))
+                   [tuple(storage) for storage in data.get('weight_storages', [])], data.get('unmodelled', []),
+                   data.get('compiled_by', ''))
 
     def categories(self, batch_size: int, accumulating: bool = False) -> Dict[str, float]:
         """Predicted bytes of each category at the peak, the device's fixed categories included.
@@ -131,9 +135,12 @@ class MemoryEstimate:
 
     @property
     def notes(self) -> List[str]:
-        """The plan's lines on how the step was read: the replay's, and what of a compiled step is not modelled."""
+        """The plan's lines on how the step was read: the replay's, and how a compiled step's graphs were made and
+        what of them is not modelled."""
+        compiled = [self.compiled_by] if self.compiled_by else []
+        compiled += [f'not modelled: {"; ".join(self.unmodelled)}'] if self.unmodelled else []
         return ([f'Replay: {self.replay_note}.'] if self.replay_note else []) + \
-            ([f'Compiled step: not modelled: {"; ".join(self.unmodelled)}.'] if self.unmodelled else [])
+            ([f'Compiled step: {"; ".join(compiled)}.'] if compiled else [])
 
     @property
     def launch_limit(self) -> Tuple[Optional[int], str]:
