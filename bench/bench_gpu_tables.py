@@ -98,10 +98,12 @@ class Table:
 
     def trace_key(self, model: str, img_size: int) -> str:
         """The cache's key: the step and the torch release decide the trace (its autocast lists and whether
-        attention is fused), so tables of one torch on several cards share it."""
+        attention is fused), so eager tables of one torch on several cards share it; a compiled trace is also the
+        card's (inductor generates its graphs for the card: `timm_ext.memory_model.fake_cuda`)."""
         step = self.kind + ('+compile' if self.compiled else '') + \
             (f'+{self.amp_dtype}' if self.amp_dtype != 'float16' else '')
-        return f"{step}@{'.'.join(map(str, self.software.torch))}:{model}:{img_size}"
+        card = f'/{self.card_name}' if self.compiled else ''
+        return f"{step}@{'.'.join(map(str, self.software.torch))}{card}:{model}:{img_size}"
 
 
 _5090, _PRO6000 = 'RTX 5090 32 GB', 'RTX Pro 6000 Max-Q 96 GB'
@@ -256,13 +258,15 @@ def trace(key: str) -> dict:
     from timm_ext.memory_model.estimate import EstimateError, estimate_memory
     from timm_ext.train.args import parse_args
     step, model, img_size = key.split(':')
-    step, torch_release = step.split('@')
+    step, release = step.split('@')
+    torch_release, _, card = release.partition('/')
     kind, *options = step.split('+')
     flags = [*(TRAIN_FLAGS if kind == 'train' else INFER_FLAGS), *(['--torchcompile'] if 'compile' in options else []),
              *(['--amp-dtype', 'bfloat16'] if 'bfloat16' in options else [])]
     args, _ = parse_args(['--model', model, '--img-size', img_size, '--device', 'cuda', '--num-classes', '1000',
                           *flags])
     args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    args.gpu = card or None  # a compiled trace's graphs are generated for the table's card
     args.software = f'torch={torch_release}'  # the trace follows that release: its autocast lists, its attention
     try:
         e = estimate_memory(args, 'cuda', step_kind='train' if kind == 'train' else 'validate')
@@ -490,7 +494,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     shard, shards = map(int, args.shard.split('/'))
     own = os.path.join(CACHE_DIR, f'{CACHE_NAME}.{shard}of{shards}.json')
     cache = {} if args.fresh else read_cache()
-    keys = sorted({TABLES[r['source']].trace_key(r['model'], r['img_size']) for r in rows})
+    # the calibration tables' traces first: a run cut short still scores them
+    calibrating = {TABLES[r['source']].trace_key(r['model'], r['img_size']): TABLES[r['source']].calibrates
+                   for r in rows}
+    keys = sorted(calibrating, key=lambda k: (not calibrating[k], k))
     todo = [k for i, k in enumerate(keys) if i % shards == shard and k not in cache]
     mine = {} if args.fresh or not os.path.exists(own) else json.load(open(own))
     os.makedirs(CACHE_DIR, exist_ok=True)

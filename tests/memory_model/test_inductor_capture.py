@@ -104,3 +104,14 @@ def test_the_wrapper_holds_at_most_what_inductors_own_count_says(monkeypatch, mo
     assert mode is not None and len(counted) == len(held) == (2 if train else 1)
     for (wrapper, padding), inductor in zip(held, counted):
         assert 0 < wrapper <= inductor + padding
+
+
+def test_a_process_that_used_a_real_gpu_is_never_patched(monkeypatch):
+    """The estimate traces in a child of its own; where it would run in a process holding a CUDA context, the card's
+    stand-ins would answer that process's own queries: refused, with nothing patched."""
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: True)
+    available = torch.cuda.is_available
+    with pytest.raises(RuntimeError, match='has used a real GPU'):
+        with fake_cuda(find_card('rtx4090')):
+            pass
+    assert torch.cuda.is_available is available

@@ -129,8 +129,15 @@ def _folded_on_cpu(stack: contextlib.ExitStack) -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_cuda(card: Card) -> Iterator[types.SimpleNamespace]:
-    """While the block runs, the process has one CUDA device: `card` (see the module doc). Yields its properties."""
+    """While the block runs, the process has one CUDA device: `card` (see the module doc). Yields its properties.
+
+    Raises:
+        RuntimeError: This process has used a real GPU (its queries must keep answering for it).
+    """
     from torch._dynamo.device_interface import CudaInterface
+    if torch.cuda.is_initialized():
+        raise RuntimeError('a compiled CUDA plan generates its graphs for a card that is not here, which a process '
+                           'that has used a real GPU cannot do; plan it from a process that has not')
     from triton.runtime.driver import driver
 
     props = device_properties(card)
