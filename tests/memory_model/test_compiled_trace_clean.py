@@ -48,3 +48,26 @@ def test_convnextv2_traces_compiled():
     done = run_script('validate.py', '--model', 'convnextv2_atto', *PLAN)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'torch.compile inductor, traced on fake tensors' in done.stdout
+
+
+def test_what_torch_warns_while_the_step_is_traced_stays_out_of_the_plan(monkeypatch):
+    """aimv2's compiled plan printed torch's rms_norm warning ("Mismatch dtype between input and weight ... Cannot
+    dispatch to fused implementation", raised from torch/_dynamo/utils.py while TorchDynamo runs the op): the run
+    will print it, the plan does not. A warning of the project's own still comes through."""
+    import warnings
+
+    from timm_ext.errors import TimmExtError
+    from timm_ext.memory_model import estimate
+
+    def step_that_warns(*args):
+        warnings.warn_explicit('Mismatch dtype between input and weight', UserWarning, 'utils.py', 1,
+                               module='torch._dynamo.utils')
+        warnings.warn_explicit('a note of ours', UserWarning, 'estimate.py', 1, module='timm_ext.memory_model')
+        raise TimmExtError('stopped after warning')
+    monkeypatch.setattr(estimate, '_trace', step_that_warns)
+    monkeypatch.setattr(estimate, 'run_device', lambda *args: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        reply = estimate._traced_reply(None, 'cuda', False, (2, 4), 'validate')
+    assert reply == dict(error='stopped after warning')
+    assert [str(w.message) for w in caught] == ['a note of ours']

@@ -69,8 +69,8 @@ def _inductor_estimate(graph) -> int:
         return estimate_peak_memory(scheduler.nodes, {}, outputs)[0]
 
 
-@pytest.mark.parametrize('model_name', ['test_resnet', 'test_convnext', 'test_vit', 'test_efficientnet'])
-@pytest.mark.parametrize('train', [False, True], ids=['forward', 'train'])
+@pytest.mark.parametrize('model_name, train', [('test_resnet', True), ('test_convnext', False), ('test_vit', True),
+                                               ('test_efficientnet', False)])
 def test_the_wrapper_holds_at_most_what_inductors_own_count_says(monkeypatch, model_name, train):
     """Inductor's `estimate_peak_memory` counts each scheduled buffer from its definition to its last use; the
     generated wrapper also reuses a freed buffer for a later one of the same size (`# reuse`), so the run of the

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -188,7 +189,11 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
     if device_type == 'cpu':
         torch.backends.mkldnn.enabled = onednn  # the convolution backends the trace asks about are the run's
     try:
-        return _trace(args, run_device(args, device_type, onednn), batches, step_kind).to_json()
+        # what torch warns while the step is traced (a compiled rms_norm given a float32 weight under autocast, say)
+        # is the run's to print, not the plan's
+        with warnings.catch_warnings():
+            warnings.filterwarnings('ignore', category=UserWarning, module=r'torch\.')
+            return _trace(args, run_device(args, device_type, onednn), batches, step_kind).to_json()
     except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
