@@ -24,7 +24,7 @@ import torch
 from timm import utils
 from timm.utils import world_info_from_env
 
-from timm_ext.distributed import end_process_group, lost_peer
+from timm_ext.distributed import end_process_group, exit_process, lost_peer
 from timm_ext.errors import TimmExtError, report
 from timm_ext.oom import is_oom
 from timm_ext.train.args import args_to_yaml, build_parser, given_dests, parse_args
@@ -68,8 +68,9 @@ def main(argv=None, prog: str = 'train.py') -> int:
             raise
         reason = ' '.join(str(e).split())[:160]
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        print(f'{prog}: error: rank {rank} lost contact with the other processes of the run (one died or '
-              f'the network failed: {reason}); stopping, the checkpoints on disk are complete', file=sys.stderr)
+        print(f'{prog}: error: rank {rank} lost contact with the other processes of the run (one died, stalled past '
+              f'--dist-timeout or the network failed: {reason}); stopping, the checkpoints on disk are complete',
+              file=sys.stderr)
         return 1
     finally:
         end_process_group(wait=finished)  # every rank that finished waits for the others before the group goes
@@ -81,4 +82,4 @@ def train(args, args_text: str, given: AbstractSet[str] = frozenset()) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    exit_process(main())

@@ -34,6 +34,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from typing import List, Optional, Set
@@ -43,7 +44,7 @@ from timm import utils
 from timm_ext.arg_checks import TRAIN_DOMAINS, TUNE_DOMAINS, writable_file_problem
 from timm_ext.cuda_backends import configure_cuda_backends
 from timm_ext.memory_model.snapshot import add_snapshot_argument, snapshot_flag_problem
-from timm_ext.distributed import DeviceError, check_device, end_process_group, init_device
+from timm_ext.distributed import DeviceError, check_device, end_process_group, exit_process, init_device
 from timm_ext.errors import TimmExtError, report
 from timm_ext.launch import current_topology, planned_topology
 from timm_ext.memory import default_headroom, trains_on_steady_heap
@@ -68,6 +69,9 @@ from timm_ext.tune.tuner import (
 
 TUNE_GROUP = 'Batch tuning (tune_batch.py)'
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
+# The probe's group timeout where --dist-timeout is not given: a trial is one step, so a rank that has not joined
+# an agreement within 10 minutes is stuck, not slow (training keeps the backend's default, as stock)
+PROBE_TIMEOUT_S = 600.0
 SELECTIONS = ('auto', 'critical') + SELECT_MODES
 
 
@@ -78,6 +82,18 @@ class AppendSaver(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         names = getattr(namespace, self.dest)
         setattr(namespace, self.dest, [*(names if isinstance(names, list) else []), values])
+
+
+class StoppedByLauncher(TimmExtError):
+    """torchrun stopped this probing rank (SIGTERM), as it stops every rank once one has failed."""
+    exit_status = 128 + signal.SIGTERM
+    label = ''  # 'tune_batch.py: rank 1 stopped by SIGTERM ...': what happened to it, not its error
+
+
+def _stopped_by_launcher(signum, frame) -> None:
+    # torchrun's SIGTERM would end the rank without a word, leaving its log mute about why it ended
+    raise StoppedByLauncher(f'rank {os.environ.get("RANK", "?")} stopped by SIGTERM: torchrun ends every rank once '
+                            'one has failed (the failed rank\'s own line says why)')
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
@@ -171,6 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     utils.setup_default_logging()
     if 'TORCHELASTIC_RUN_ID' in os.environ:  # a probing rank: end with its launcher, as its trials end with it
         die_with_parent(os.getppid())
+        signal.signal(signal.SIGTERM, _stopped_by_launcher)
     parser = build_tune_parser()
     args, _ = parse_args(argv, parser=parser, domains={**TRAIN_DOMAINS, **TUNE_DOMAINS})
     _check_tune_args(parser, args)
@@ -198,6 +215,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f'{prog}: interrupted; the memory cap is lifted and nothing was cached or written', file=sys.stderr)
         return 130
+    finally:
+        end_process_group(wait=False)  # a rank that failed: its peers may never arrive (no-op once `tune` ended it)
 
 
 def relaunch_under_torchrun(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: List[str]) -> int:
@@ -236,7 +255,7 @@ def with_measured_heap(args: argparse.Namespace, device) -> argparse.Namespace:
 
 def tune(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Set[str]) -> int:
     train_args = args  # as parsed: what the config describes (init_device's copy holds the runtime fields)
-    args, device = init_device(args)
+    args, device = init_device(args, default_timeout_s=PROBE_TIMEOUT_S)
     if args.mem_headroom is None:
         args.mem_headroom = default_headroom(device)
     configure_cuda_backends(device)  # trials time the regime train.py runs in
@@ -340,4 +359,4 @@ def load_train_script():
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    exit_process(main())

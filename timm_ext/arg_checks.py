@@ -404,6 +404,7 @@ TRAIN_DOMAINS: Mapping[str, Domain] = {
     'batch_ramp_max': POSITIVE_INT,
     'batch_ramp_max_micro': POSITIVE_INT,
     'batch_ramp_min_updates': POSITIVE_INT,
+    'dist_timeout': POSITIVE,
 }
 
 # tune_batch.py's own flags (it also takes every train.py flag, checked with TRAIN_DOMAINS).

@@ -3,7 +3,8 @@
 Under torchrun, wrap the trial with `agree_across_ranks`: each rank runs it, then one collective shares every rank's
 outcome, so a rank that OOMs alone reports it instead of leaving the others waiting, and every rank takes the same
 (the worst) outcome, hence the same path through the search and the same answer. `smallest_over_ranks` is the guard
-on the final choice and on the budget the headroom is taken of.
+on the final choice and on the budget the headroom is taken of. Each collective is a bounded wait on the peers
+(`timm_ext.peer_wait`): a peer that died or stalls past the group's timeout ends every rank with one line.
 """
 from typing import List, Optional, Sequence
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import device_broken
+from ..peer_wait import note_position, peer_wait
 from .table import ERROR, FIT, OOM, Trial, TrialError, TrialFn
 
 __all__ = ['agree_across_ranks', 'smallest_over_ranks']
@@ -30,6 +32,7 @@ def agree_across_ranks(run_trial: TrialFn) -> TrialFn:
     """
 
     def run(batch_size: int) -> Trial:
+        note_position(f'the trial at batch {batch_size}')
         local = run_trial(batch_size)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
@@ -39,7 +42,8 @@ def agree_across_ranks(run_trial: TrialFn) -> TrialFn:
             raise TrialError(f'rank {dist.get_rank()}: {local.error}; the device cannot run anything after it',
                              [local])
         gathered: List[Optional[dict]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local.to_dict())
+        with peer_wait(f'the agreement on the trial at batch {batch_size}'):
+            dist.all_gather_object(gathered, local.to_dict())
         per_rank = [Trial.from_dict(d) for d in gathered]
         worst = _worst(per_rank)
         if worst.status != FIT:
@@ -53,10 +57,12 @@ def agree_across_ranks(run_trial: TrialFn) -> TrialFn:
     return run
 
 
-def smallest_over_ranks(value: int, device: torch.device) -> int:
-    """The minimum of `value` over the ranks of an initialized process group (`value` itself without one)."""
+def smallest_over_ranks(value: int, device: torch.device, what: str = 'value') -> int:
+    """The minimum of `value` over the ranks of an initialized process group (`value` itself without one); `what` it
+    is names the wait where a peer never joins it (`peer_wait`)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return value
     box = torch.tensor([value], dtype=torch.int64, device=device if dist.get_backend() == 'nccl' else 'cpu')
-    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    with peer_wait(f'the smallest {what} over ranks'):
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
     return int(box.item())

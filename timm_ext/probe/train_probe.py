@@ -109,7 +109,7 @@ def probe_train_batch(
             budget_bytes = cap.budget  # the cap in force (a CPU hard limit can hold it lower)
             trial = agree_across_ranks(_capped_trial(setup, host, cap, timed_steps, isolate, compile_runs))
             # every rank must judge and aim alike, so the headroom is taken of the smallest budget of any rank
-            accept = headroom_accept(smallest_over_ranks(budget_bytes, device), headroom)
+            accept = headroom_accept(smallest_over_ranks(budget_bytes, device, 'memory budget'), headroom)
             grid = grid or default_grid(device.type)
             trials = search_batch_size(trial, start, max_batch, grid, accept=accept, on_trial=on_trial,
                                        peak_limit=accept.limit, prior=prior)
@@ -120,7 +120,7 @@ def probe_train_batch(
             check_step_runs(setup, start, host)
         selection = select_batch_size(trials, select, throughput_tol, context)
         # outcomes were agreed trial by trial, so this only guards against a rank that chose differently
-        chosen = smallest_over_ranks(selection.batch_size, device)
+        chosen = smallest_over_ranks(selection.batch_size, device, 'chosen batch')
         if chosen != selection.batch_size:
             pick = next(t for t in trials if t.batch_size == chosen)
             selection = Selection(pick.batch_size, 'smallest choice over ranks', pick, trials)

@@ -504,6 +504,11 @@ def _add_extension_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--batch-ramp-min-updates', type=int, default=None, metavar='N',
                        help='--batch-ramp keeps at least N optimizer updates over the run at the grown batch '
                             '(default: the guard tune_batch.py applies to a bigger batch, its MIN_UPDATES)')
+    group.add_argument('--dist-timeout', type=float, default=None, metavar='SECONDS',
+                       help='under torchrun/SLURM: the longest any rank waits for the others in one collective '
+                            '(a gradient all-reduce, an agreement, the exit barrier); a peer that stalls longer ends '
+                            'every rank with one line naming it (default: the backend\'s, 30 min for gloo and 10 for '
+                            'NCCL, as stock; tune_batch.py\'s probe: 600 s)')
     group.add_argument('--no-safetensors', action='store_true', default=False,
                        help='do not export best/last weights as .safetensors')
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..errors import TimmExtError
 from ..oom import should_retry
+from ..peer_wait import peer_wait
 
 __all__ = ['is_recoverable_oom', 'sync_bn_problem', 'MicroBatchSplitter', 'OomRecoveryError', 'WindowOutOfMemory',
            'RankFailed', 'agree_status', 'GradientAllReduce', 'gradient_buckets', 'split_batch', 'OK', 'OOM',
@@ -166,7 +167,8 @@ def agree_status(status: int, rank: int, world_size: int, device: torch.device) 
     """Every rank's status for a window (OK / OOM / FAILED), the same list on all ranks (one small all-reduce)."""
     flags = torch.zeros(world_size, dtype=torch.int32, device=device)
     flags[rank] = status
-    dist.all_reduce(flags)
+    with peer_wait('the agreement on an out-of-memory window'):
+        dist.all_reduce(flags)
     return flags.tolist()
 
 

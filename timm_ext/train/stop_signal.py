@@ -9,7 +9,8 @@ shell reports a process ended by that signal. A second Ctrl-C interrupts at once
 Under DDP the ranks may see the signal at different updates; `requested` takes the maximum over ranks, so all of
 them stop after the same update and none waits in a collective for a rank that has left. That answer is read on the
 host (a sync on CUDA), so the loop asks only on its log-line updates, where it syncs anyway: a signal stops a DDP run
-at most `--log-interval` updates after it arrives.
+at most `--log-interval` updates after it arrives. A peer that never joins the agreement (it died, or stalls past
+`--dist-timeout`) ends this rank with one line (`timm_ext.peer_wait`).
 """
 import signal
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TimmExtError
+from ..peer_wait import peer_wait
 
 __all__ = ['StopOnSignal', 'TrainingStopped']
 
@@ -80,5 +82,6 @@ class StopOnSignal:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.signum  # nothing to agree with: no collective, no host read
         flag = torch.tensor(self.signum or 0, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with peer_wait('the agreement on whether a signal stops the run'):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None

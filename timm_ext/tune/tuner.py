@@ -25,6 +25,7 @@ from ..memory import MemoryBudget, device_name, format_bytes, free_memory, parse
 from ..probe.cache import ProbeCache, probe_key
 from ..memory_model.devices import onednn_runs
 from ..memory_model.estimate import EstimateError, estimate_memory
+from ..peer_wait import peer_wait
 from ..probe.grids import BatchGrid, SplitGrid, default_grid
 from ..probe.selection import select_batch_size
 from ..probe.table import format_trial, trials_to_json
@@ -166,7 +167,8 @@ def probe_or_reuse(request: ProbeRequest, probe_select: str, max_batch: int, sta
     cached = None if args.no_cache else cache.get(key)
     if args.distributed:  # rank 0's cache decides for all, so every rank takes the same path
         box = [cached if primary else None]
-        dist.broadcast_object_list(box, src=0)
+        with peer_wait("rank 0's probe-cache answer"):
+            dist.broadcast_object_list(box, src=0)
         cached = box[0]
 
     context = f'{setup.describe}, budget {format_bytes(budget_bytes)} on {device_name(device)}'
@@ -449,7 +451,8 @@ def seed_estimate(args: argparse.Namespace, device: torch.device) -> Optional[Pr
         print(line, flush=True)
     if args.distributed:
         box = [prior]
-        dist.broadcast_object_list(box, src=0)
+        with peer_wait("rank 0's memory estimate"):
+            dist.broadcast_object_list(box, src=0)
         prior = box[0]
     return prior
 
@@ -518,7 +521,8 @@ def rank0_decides(request: ProbeRequest, decision: bool) -> bool:
     collectives must be the same everywhere, or the ranks enter different collectives and wait for ever."""
     box = [decision]
     if request.args.distributed:
-        dist.broadcast_object_list(box, src=0)
+        with peer_wait("rank 0's decision whether tuning pays"):
+            dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
