@@ -88,3 +88,13 @@ def test_a_backend_that_fails_to_compile_is_told_apart_from_an_op_fake_tensors_r
                 task.trainable_module(torch.randn(4, 4))
     assert is_compile_error(failed.value)
     assert not is_compile_error(RuntimeError('an op fake tensors cannot run'))
+
+
+def test_a_torch_without_torch_compile_is_refused_in_one_line():
+    """torch.compile arrived in torch 2.0 (release_history.TORCH_COMPILE): a plan of 1.13 cannot compile."""
+    from timm_ext.memory_model.compiled_step import compile_problem
+    from timm_ext.memory_model.versions import parse_software
+    problem = compile_problem('inductor', parse_software('torch=1.13.1'))
+    assert problem.startswith('--torchcompile: torch 1.13.1 has no torch.compile') and '\n' not in problem
+    assert compile_problem('inductor', parse_software('torch=2.0.1')) is None
+    assert compile_problem(None, parse_software('torch=1.13.1')) is None

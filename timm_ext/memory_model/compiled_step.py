@@ -36,9 +36,10 @@ import torch
 from .cards import CARDS, Card
 from .inductor_capture import compiling_for_trace, inductor_backend
 from .kernels_attention import ASSUMED_COMPUTE_CAPABILITY
+from .release_history import TORCH_COMPILE, dotted, in_force
 from .versions import Software
 
-__all__ = ['compiled_for_trace', 'unmodelled', 'generated_by', 'is_compile_error', 'generated_for']
+__all__ = ['compiled_for_trace', 'unmodelled', 'generated_by', 'is_compile_error', 'generated_for', 'compile_problem']
 
 _GRAPH_MODES = ('reduce-overhead', 'max-autotune')
 # backends that compile for a device or an outside compiler, which fake tensors cannot run: planned as eager
@@ -51,6 +52,15 @@ def generated_for(card: Optional[Card]) -> Card:
     if card is not None:
         return card
     return next(c for c in CARDS.values() if c.compute_capability == ASSUMED_COMPUTE_CAPABILITY)
+
+
+def compile_problem(backend: Optional[str], software: Software) -> Optional[str]:
+    """Why the planned run cannot compile with `backend` under `software`, in one line; None if it can."""
+    if backend and not in_force(TORCH_COMPILE, software):
+        return (f'--torchcompile: torch {dotted(software.torch)} has no torch.compile (it arrived in torch '
+                f'{dotted(TORCH_COMPILE.since)}); drop --torchcompile, or plan a torch from '
+                f'{dotted(TORCH_COMPILE.since)} with --software')
+    return None
 
 
 def generated_by(backend: str, device_type: str, card: Optional[Card], software: Software) -> str:

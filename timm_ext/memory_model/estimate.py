@@ -32,7 +32,7 @@ from ..train.stack import build_optimizer, build_training_stack
 from ..train.trial_steps import probe_input_size, trial_eval_forward, trial_loop, trial_train_step
 from .autocast_casts import CudaAutocastCasts, caches_weights
 from .cards import find_card
-from .compiled_step import compiled_for_trace, generated_by, is_compile_error, unmodelled
+from .compiled_step import compile_problem, compiled_for_trace, generated_by, is_compile_error, unmodelled
 from .devices import DeviceModel, device_model
 from .estimate_result import EstimateError, MemoryEstimate
 from .events import EventLog
@@ -229,6 +229,9 @@ def estimate_memory(args: argparse.Namespace, device_type: str, onednn: bool = F
         EstimateError: The model or its step cannot run on fake tensors (or the child died).
     """
     device = run_device(args, device_type, onednn)
+    problem = compile_problem(args.torchcompile, device.software) if device_type == 'cuda' else None
+    if problem:
+        raise EstimateError(problem)
     estimate = MemoryEstimate.from_json(_traced(args, device_type, onednn, tuple(batches), step_kind), device)
     if estimate.replay is not None and not estimate.replay.aligned:  # each batch the plan asks is traced on its own
         estimate.replay.retrace = functools.partial(_step_log_at, args, device_type, onednn, step_kind)

@@ -16,7 +16,7 @@ The releases read directly (their wheels, in earlier work: `versions.RELEASES`) 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-__all__ = ['Change', 'CHANGES', 'in_force', 'assumed_changes', 'dotted',
+__all__ = ['Change', 'CHANGES', 'in_force', 'assumed_changes', 'dotted', 'TORCH_COMPILE',
            'SDPA', 'SDPA_MASKED_EFFICIENT', 'FLASH_V2', 'CUDNN_SDPA_PREFERRED_25', 'CUDNN_SDPA_DEPRIORITIZED_251',
            'CUDNN_SDPA_PREFERRED_29', 'CUDNN_SDPA_RULES_210', 'MATH_SDPA_FLOAT32', 'AUTOCAST_INFERENCE_NO_CACHE',
            'DEPTHWISE_64BIT_TO_CUDNN', 'DEPTHWISE_CHANNELS_LAST_REFUSED', 'DEPTHWISE_CHANNELS_LAST_FROM_915',
@@ -65,6 +65,11 @@ def _torch(key, what, since, source, evidence, window=None) -> Change:
     return Change(key, what, 'torch', since, source, evidence, window)
 
 
+# torch.compile itself (timm_ext.memory_model.compiled_step)
+TORCH_COMPILE = _torch('torch-compile', 'torch.compile exists (TorchDynamo and inductor ship in torch)', (2, 0, 0),
+                       'torch/__init__.py (torch.compile), torch/_dynamo, torch/_inductor',
+                       'torch 2.0.0 release notes introduce torch.compile; the 1.12.1 wheel has neither torch.compile '
+                       'nor torch._dynamo')
 # scaled_dot_product_attention (timm_ext.memory_model.kernels_attention)
 SDPA = _torch('sdpa', 'torch.nn.functional.scaled_dot_product_attention exists', (2, 0, 0),
               'torch/nn/functional.py (the public op; 1.12/1.13 have only the private _scaled_dot_product_attention)',
@@ -176,7 +181,7 @@ ALLOCATOR_ACCELERATOR_CONFIG = _torch(
     'the 2.9.1 and 2.14.1 wheels read', window=((2, 9, 1), (2, 14, 1)))
 
 CHANGES: Tuple[Change, ...] = (
-    SDPA, SDPA_MASKED_EFFICIENT, FLASH_V2, CUDNN_SDPA_PREFERRED_25, CUDNN_SDPA_DEPRIORITIZED_251,
+    TORCH_COMPILE, SDPA, SDPA_MASKED_EFFICIENT, FLASH_V2, CUDNN_SDPA_PREFERRED_25, CUDNN_SDPA_DEPRIORITIZED_251,
     CUDNN_SDPA_PREFERRED_29, CUDNN_SDPA_RULES_210, MATH_SDPA_FLOAT32, AUTOCAST_INFERENCE_NO_CACHE, AUTOCAST_LISTS_20,
     AUTOCAST_RMS_NORM, DEPTHWISE_64BIT_TO_CUDNN, DEPTHWISE_CHANNELS_LAST_REFUSED, DEPTHWISE_CHANNELS_LAST_FROM_915,
     CUDNN_64BIT_FROM, CUDNN_DEPTHWISE_BROKEN_ABOVE, CUDNN_DEPTHWISE_FIXED_FROM, CUBLAS_WORKSPACE_ALLOCATOR,
