@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from timm_ext.distributed import end_process_group, init_device
+from timm_ext.distributed import end_process_group, exit_process, init_device
 from timm_ext.memory import parse_budget
 from timm_ext.probe.train_probe import probe_train_batch
 from timm_ext.probe.trial import build_train_trial
@@ -38,3 +38,4 @@ def main(report_path: str, budget_rank0: str, budget_rank1: str) -> None:
 
 if __name__ == '__main__':
     main(*sys.argv[1:])
+    exit_process(0)  # gloo's threads can outlive the group (DDP holds them): never finalize the interpreter around them

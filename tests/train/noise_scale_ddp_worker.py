@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from timm.task import ClassificationTask
 
-from timm_ext.distributed import end_process_group
+from timm_ext.distributed import end_process_group, exit_process
 from timm_ext.train.noise_scale import NoiseScaleEstimator
 from timm_ext.train.loop import LoopConfig, TrainLoop
 
@@ -61,3 +61,4 @@ def main(report_path: str) -> None:
 
 if __name__ == '__main__':
     main(sys.argv[1])
+    exit_process(0)  # gloo's threads can outlive the group (DDP holds them): never finalize the interpreter around them

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from test_oom_recovery import Wide, wide_batches  # noqa: E402
-from timm_ext.distributed import end_process_group  # noqa: E402
+from timm_ext.distributed import end_process_group, exit_process  # noqa: E402
 from timm_ext.train import oom_replay as oom_replay_module  # noqa: E402
 from timm_ext.memory import memory_cap  # noqa: E402
 from timm_ext.train.oom_recovery import GradientAllReduce  # noqa: E402
@@ -139,3 +139,4 @@ def main() -> None:
 
 if __name__ == '__main__':
     main()
+    exit_process(0)  # gloo's threads can outlive the group (DDP holds them): never finalize the interpreter around them

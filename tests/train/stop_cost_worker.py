@@ -16,7 +16,7 @@ import torch.nn as nn
 from timm.task import ClassificationTask
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from timm_ext.distributed import end_process_group
+from timm_ext.distributed import end_process_group, exit_process
 from timm_ext.train.loop import LoopConfig, TrainLoop
 from timm_ext.train.stop_signal import StopOnSignal, TrainingStopped
 
@@ -87,3 +87,4 @@ def main(report_path: str) -> None:
 
 if __name__ == '__main__':
     main(sys.argv[1])
+    exit_process(0)  # gloo's threads can outlive the group (DDP holds them): never finalize the interpreter around them

@@ -16,7 +16,8 @@ from timm_ext.train.args import (
 )
 
 EXTENSION_DESTS = {'oom_recover', 'oom_grow_back', 'steady_cpu_heap', 'log_noise_scale', 'no_safetensors', 'batch_ramp',
-                   'batch_ramp_factor', 'batch_ramp_max', 'batch_ramp_max_micro', 'batch_ramp_min_updates'}
+                   'batch_ramp_factor', 'batch_ramp_max', 'batch_ramp_max_micro', 'batch_ramp_min_updates',
+                   'dist_timeout'}
 
 
 @pytest.fixture(scope='module')
@@ -74,7 +75,7 @@ def test_parsed_defaults_equal_stock(spec):
         'oom_recover': False, 'oom_grow_back': None, 'steady_cpu_heap': False, 'log_noise_scale': False,
         'no_safetensors': False, 'batch_ramp': False, 'batch_ramp_factor': None, 'batch_ramp_max': None,
         'batch_ramp_max_micro': None,
-        'batch_ramp_min_updates': None}
+        'batch_ramp_min_updates': None, 'dist_timeout': None}
 
 
 def test_model_kwargs_parse_like_stock():

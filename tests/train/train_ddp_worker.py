@@ -16,7 +16,7 @@ import torch.nn as nn
 from timm.task import ClassificationTask
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from timm_ext.distributed import end_process_group
+from timm_ext.distributed import end_process_group, exit_process
 from timm_ext.train.loop import LoopConfig, TrainLoop
 
 
@@ -74,3 +74,4 @@ def main(report_path: str, accum: int = 3, micro: int = 2) -> None:
 
 if __name__ == '__main__':
     main(sys.argv[1])
+    exit_process(0)  # gloo's threads can outlive the group (DDP holds them): never finalize the interpreter around them

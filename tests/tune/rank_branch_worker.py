@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from timm_ext.distributed import end_process_group, init_device
+from timm_ext.distributed import end_process_group, exit_process, init_device
 from timm_ext.probe.selection import Selection
 from timm_ext.probe.table import FIT, Trial
 from timm_ext.probe.train_probe import ProbeOutcome
@@ -52,3 +52,4 @@ def main(report_path: str) -> None:
 
 if __name__ == '__main__':
     main(sys.argv[1])
+    exit_process(0)  # gloo's threads can outlive the group (DDP holds them): never finalize the interpreter around them
