@@ -91,10 +91,10 @@ def _describe(e: BaseException, rank: int, world: int, sequence: int, what: str,
     seen = _positions(store, others)
     behind = [r for r in others if seen.get(r, (0, ''))[0] < sequence]
     timed_out = any(m in str(e) for m in _TIMED_OUT_MARKERS)
-    if behind:
+    if seen and behind:
         peers = ', '.join(f'rank {r}' + (f' (last in {seen[r][1]})' if r in seen else '') for r in behind)
-    else:  # every peer reached this wait: one of them failed inside it
-        peers = 'rank ' + ', '.join(map(str, others)) if len(others) == 1 else 'another rank'
+    else:  # every peer reached this wait and one failed inside it, or the store is gone with its host rank
+        peers = f'rank {others[0]}' if len(others) == 1 else 'another rank'
     if timed_out:
         how = f'did not arrive within {waited_s:.0f} s (the group timeout, --dist-timeout)'
     else:
