@@ -158,7 +158,8 @@ def test_a_peer_fault_in_a_trial_ends_every_rank_with_one_line_and_nothing_lost(
     assert result.returncode != 0
     if fault != 'raise':
         took = ended - float((tmp_path / 'fault_at').read_text())
-        assert took < DIST_TIMEOUT_S + 20, f'{took:.0f} s from the fault to the end of every rank'
+        # the timeout, rank 0 ending its own trial and torchrun's teardown, on busy cores (gloo's default: 1800 s)
+        assert took < DIST_TIMEOUT_S + 45, f'{took:.0f} s from the fault to the end of every rank'
     errors = {p.parent.name: p.read_text() for p in logs.rglob('stderr.log')}
     assert sorted(errors) == ['0', '1'], result.stderr[-2000:]
     for rank, text in errors.items():
