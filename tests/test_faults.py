@@ -173,7 +173,8 @@ def test_killed_rank_ends_the_other_within_bounded_time(long_folder, tmp_path):
     assert proc.returncode != 0
     assert took < 60, f'the surviving rank took {took:.0f} s to stop'
     ours = [line for line in err.splitlines() if line.startswith('train.py:')]
-    assert len(ours) == 1 and 'rank 0 lost contact with the other processes' in ours[0], err[-3000:]
+    # DDP's all-reduce says the processes of the run, a bounded wait (a log line's loss) names the rank
+    assert len(ours) == 1 and 'rank 0 lost contact with ' in ours[0], err[-3000:]
     assert not any(running(pid) for pid in ranks), 'both ranks have exited'
     load_training_checkpoint(out / 'run' / 'last.pth.tar')
 

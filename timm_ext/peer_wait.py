@@ -96,10 +96,9 @@ def _describe(e: BaseException, rank: int, world: int, sequence: int, what: str,
     else:  # every peer reached this wait and one failed inside it, or the store is gone with its host rank
         peers = f'rank {others[0]}' if len(others) == 1 else 'another rank'
     if timed_out:
-        how = f'did not arrive within {waited_s:.0f} s (the group timeout, --dist-timeout)'
-    else:
-        how = 'is gone (it exited or was killed)'
-    return f'rank {rank} waited for {peers} in {what}: it {how}; stopping this rank too'
+        return (f'rank {rank} waited for {peers} in {what}: it did not arrive within {waited_s:.0f} s (the group '
+                f'timeout, --dist-timeout); stopping this rank too')
+    return f'rank {rank} lost contact with {peers} in {what}: it is gone (it exited or was killed); stopping this rank'
 
 
 def _distributed() -> bool:

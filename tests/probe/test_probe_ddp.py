@@ -131,10 +131,10 @@ FAULT_LINES = {
     'raise': 'rank 1: ValueError: this step cannot take a batch of 8',
     'stall': 'rank 0 waited for rank 1 (last in the trial at batch 8) in the agreement on the trial at batch 8: it '
              f'did not arrive within {DIST_TIMEOUT_S} s',
-    'kill': 'rank 0 waited for rank 1 (last in the trial at batch 8) in the agreement on the trial at batch 8: it is '
-            'gone',
-    'exit': 'rank 0 waited for rank 1 (last in the trial at batch 8) in the agreement on the trial at batch 8: it is '
-            'gone',
+    'kill': 'rank 0 lost contact with rank 1 (last in the trial at batch 8) in the agreement on the trial at batch 8: '
+            'it is gone',
+    'exit': 'rank 0 lost contact with rank 1 (last in the trial at batch 8) in the agreement on the trial at batch 8: '
+            'it is gone',
 }
 
 
