@@ -98,11 +98,14 @@ class Table:
 
     def trace_key(self, model: str, img_size: int) -> str:
         """The cache's key: the step and the torch release decide the trace (its autocast lists and whether
-        attention is fused), so eager tables of one torch on several cards share it; a compiled trace is also the
-        card's (inductor generates its graphs for the card: `timm_ext.memory_model.fake_cuda`)."""
+        attention is fused), so eager tables of one torch on several cards share it. A compiled trace's graphs are
+        generated for a card (`timm_ext.memory_model.fake_cuda`): for the first table's card of the same compute
+        capability, so the RTX Pro 6000's rows replay the RTX 5090's graphs (both 12.0; the multiprocessor count,
+        188 against 170, only sizes split reductions' partial buffers), which halves the compiled traces."""
         step = self.kind + ('+compile' if self.compiled else '') + \
             (f'+{self.amp_dtype}' if self.amp_dtype != 'float16' else '')
-        card = f'/{self.card_name}' if self.compiled else ''
+        card = next(f'/{t.card_name}' for t in TABLES.values()
+                    if t.compute_capability == self.compute_capability) if self.compiled else ''
         return f"{step}@{'.'.join(map(str, self.software.torch))}{card}:{model}:{img_size}"
 
 
@@ -477,6 +480,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="rewrite bench/gpu_tables.csv's rows of the tables (of --table's, the others kept) from "
                              "a timm checkout, then stop")
     parser.add_argument('--shard', default='0/1', metavar='I/N', help='trace only every N-th trace from the I-th')
+    parser.add_argument('--report-only', action='store_true',
+                        help='trace nothing: the report of what the cache holds (a row without a trace is not traced)')
     parser.add_argument('--output', default=os.path.join(ROOT, 'bench', 'results', 'gpu_tables.md'))
     parser.add_argument('--write-headroom', action='store_true',
                         help="measure the default headroom of the CUDA plans on the calibration tables and write it "
@@ -498,7 +503,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     calibrating = {TABLES[r['source']].trace_key(r['model'], r['img_size']): TABLES[r['source']].calibrates
                    for r in rows}
     keys = sorted(calibrating, key=lambda k: (not calibrating[k], k))
-    todo = [k for i, k in enumerate(keys) if i % shards == shard and k not in cache]
+    todo = [] if args.report_only else [k for i, k in enumerate(keys) if i % shards == shard and k not in cache]
     mine = {} if args.fresh or not os.path.exists(own) else json.load(open(own))
     os.makedirs(CACHE_DIR, exist_ok=True)
     for i, key in enumerate(todo, 1):
