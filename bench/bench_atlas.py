@@ -125,6 +125,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.shard is not None:
         return 0
     confirmed = confirmations()
+    before = {(r['model'], r['config']): r for r in csv.DictReader(open(TABLE))} if os.path.exists(TABLE) else {}
+    carried = not confirmed  # no table's traces in this checkout (they are not committed): keep the page's marks
+    if carried:
+        confirmed = {(r['model'], 'train' if CONFIGS[r['config']][0] == 'train' else 'infer'): r['confirmed_by']
+                     for r in before.values() if r['confirmed_by']}
     rows = []
     for model in models:
         for config in CONFIGS:
@@ -147,13 +152,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     seconds = [e['seconds'] for k, e in cache.items() if 'seconds' in e and k.split('|')[0] in models
                and k.split('|')[1] in traced]
     with open(DOC, 'w') as f:
-        f.write(markdown(rows, sum(seconds), time.perf_counter() - started, sorted(traced) if kept else None))
+        f.write(markdown(rows, sum(seconds), time.perf_counter() - started, sorted(traced) if kept else None,
+                         carried))
     print(f'{DOC} and {TABLE} written ({len(rows)} rows)')
     return 0
 
 
-def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[List[str]] = None) -> str:
-    """The page; `only`: the steps this run traced, the other rows kept from the run before."""
+def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[List[str]] = None,
+             carried: bool = False) -> str:
+    """The page; `only`: the steps this run traced, the other rows kept from the run before; `carried`: the
+    confirmations kept from the run before (no table's traces to judge them with)."""
     took = (f'The page took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run {run_s:.0f} s).' if only is None
             else f'The {", ".join(only)} rows took {traced_s / 60:.0f} min of tracing on 2 CPU cores (this run '
                  f'{run_s:.0f} s); the others are kept from the run before.')
@@ -179,7 +187,10 @@ def markdown(rows: List[dict], traced_s: float, run_s: float, only: Optional[Lis
             '',
             '**Confirmed**: one of timm\'s published GPU tables holds this model, and the CUDA model, run as that '
             'table\'s software ran, lands inside the table\'s rung (`bench/bench_gpu_tables.py`, '
-            '[docs/gpu.md](gpu.md)). Unmarked rows are predictions only.', '',
+            '[docs/gpu.md](gpu.md)). Unmarked rows are predictions only.'
+            + (' The marks are carried from the page\'s previous run: the tables\' traces were not in the checkout '
+               'that wrote this one (run `bench/bench_gpu_tables.py` first to judge them again).' if carried else ''),
+            '',
             f'{took} The same rows as CSV: [what-fits.csv](what-fits.csv).', '',
             '| model | input | step | ' + ' | '.join(ATLAS_CARDS) + ' | confirmed by |',
             '|---|---|---|' + '---:|' * len(ATLAS_CARDS) + '---|']
