@@ -67,6 +67,24 @@ def test_a_compiled_update_files_its_gradients_and_frees_what_the_forward_saved(
             assert tracker.live['activations'] == 0 and tracker.live['temporaries'] == 0
 
 
+class _FixedBatch(nn.Module):
+    """A model whose code fixes the batch: the reshape's literal size specializes TorchDynamo's batch symbol."""
+
+    def forward(self, x):
+        return (x * 2).reshape(BATCH, -1).sum(1)
+
+
+def test_a_model_that_fixes_the_batch_is_specialized_not_refused():
+    """The batch is marked dynamic so that one graph serves every traced batch; a model whose code fixes it got
+    "ConstraintViolationError: Constraints violated (L['x'].size()[0])" (resnet18's compiled plan priced at 64 px)
+    where TorchDynamo in the run specializes the graph and goes on."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        task = _Task(_FixedBatch())
+        with compiled_for_trace(task, 'inductor', 'cuda'):
+            for batch in (BATCH, 2 * BATCH):
+                assert task.trainable_module(torch.randn(batch, WIDTH)).shape == (BATCH,)
+
+
 def test_the_plan_names_what_a_compiled_step_does_not_model():
     assert unmodelled('eager', None) == []
     assert unmodelled('aot_eager', None) == []  # its graphs run on the fake tensors as they are

@@ -10,9 +10,10 @@ buffer reuse and frees are what the trace's trackers (`LiveBytes`, `EventLog`, `
 kernels (convolution, matmul) are the ops the CUDA stages model as eager's (workspaces, launch limits). The caching
 allocator replay, the context and the card then apply unchanged.
 
-One graph serves every traced batch: the batch is dynamic (`torch._dynamo.mark_dynamic`), so inductor generates one
-wrapper whose sizes are expressions of it, and each traced batch runs that wrapper at its own size (no compile per
-size, no line assumed between sizes).
+One graph serves every traced batch: the batch is dynamic (`torch._dynamo.maybe_mark_dynamic`), so inductor generates
+one wrapper whose sizes are expressions of it, and each traced batch runs that wrapper at its own size (no compile per
+size, no line assumed between sizes). A model whose code fixes the batch (a reshape to a literal size, say) is
+specialized instead, as TorchDynamo does in the run: a graph for each traced batch.
 
 Versions: the pipeline that runs is the installed inductor (its lowering, Scheduler and code generation); a plan of
 another torch (`--software`) takes its kernels, attention, autocast lists and allocator from the named release and
@@ -140,6 +141,7 @@ def compiled_for_trace(task: torch.nn.Module, backend: str, device_type: str,
 
 def _batch_dynamic(module: torch.nn.Module, args: tuple) -> None:
     """One graph for every traced batch: without it the warm-up's batch compiles a graph of its own and the next
-    batch a dynamic one (automatic dynamic shapes)."""
+    batch a dynamic one (automatic dynamic shapes). `maybe_`: where the model's code fixes the batch, TorchDynamo
+    specializes it rather than raising (`mark_dynamic` is a promise, and a broken one is a ConstraintViolationError)."""
     if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
-        torch._dynamo.mark_dynamic(args[0], 0)
+        torch._dynamo.maybe_mark_dynamic(args[0], 0)

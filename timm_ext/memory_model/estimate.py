@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -191,12 +192,17 @@ def _traced_reply(args: argparse.Namespace, device_type: str, onednn: bool, batc
     try:
         # what torch warns while the step is traced (a compiled rms_norm given a float32 weight under autocast, say)
         # is the run's to print, not the plan's
+        # and what its loggers print (TorchDynamo logs a failed guard at ERROR before raising it) reaches the plan as
+        # the trace's one-line error
+        quiet = logging.root.manager.disable
+        logging.disable(logging.ERROR)
         with warnings.catch_warnings():
             warnings.filterwarnings('ignore', category=UserWarning, module=r'torch\.')
             return _trace(args, run_device(args, device_type, onednn), batches, step_kind).to_json()
     except TimmExtError as error:  # it cannot be traced, or the run cannot be built as asked (an invalid tag)
         return dict(error=str(error))
     finally:
+        logging.disable(quiet)
         torch.backends.mkldnn.enabled = mkldnn  # in-process (`in_child`), the caller's setting again
 
 
