@@ -4,8 +4,9 @@
 For each model (a convnet, a ViT, a ConvNeXt, at small inputs so a compile stays short) and each mode (eager,
 `--torchcompile`):
 
-1. the estimate: `tune_batch.py --estimate --device cpu [--torchcompile] --mem-budget CAP --mem-headroom 0`, its
-   "fits up to" (the largest batch predicted within the budget);
+1. the estimate: `tune_batch.py --estimate --device cpu [--torchcompile] --mem-budget CAP --mem-headroom 0 --select
+   max`, its "fits up to" (the largest batch predicted within the budget; `--select max` because the trials below do
+   not accumulate, and a plan that accumulates keeps the gradients beside every micro-batch after the first);
 2. the real limit: the largest batch at which `train.py [--torchcompile] --steady-cpu-heap` completes `--updates`
    training updates, each trial a fresh process (inductor's on-disk cache fresh too: a cold compile), the cap set as
    `bench/bench_estimate.py` and the probe set it: RLIMIT_DATA = the data segment when the first epoch starts (model,
@@ -74,6 +75,7 @@ def estimated(data: Path, flags: List[str], budget_mib: int, work: Path) -> dict
     its predicted peaks ('peaks_mib': batch -> MiB)."""
     done = subprocess.run(['nice', '-n', '10', sys.executable, str(REPO / 'tune_batch.py'), '--data-dir', str(data),
                            *COMMON, *flags, '--estimate', '--mem-budget', f'{budget_mib}MiB', '--mem-headroom', '0',
+                           '--select', 'max',
                            '--tuned-config', str(work / 'estimate.yaml')],
                           capture_output=True, text=True, env=_env(), cwd=work)
     fits = fits_up_to(done.stdout, budget_mib)
