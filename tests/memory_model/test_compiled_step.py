@@ -136,3 +136,16 @@ def test_an_evaluation_trace_compiles_the_forward_alone(monkeypatch):
     traced = estimate._trace(args, estimate.run_device(args, 'cuda'), (2, 4), 'eval')
     assert len(graphs) == 1  # the inference graph
     assert traced.peak(4) > 0
+
+
+def test_a_compiled_update_with_stochastic_depth_lowers_for_the_card():
+    """Stochastic depth's `bernoulli` stays whole when AOTAutograd decomposes on CPU tensors, and CUDA lowering
+    refused it ("this should be handled in decomps unless config.fallback_random"): FasterNet, FocalNet and
+    EfficientFormer-V2 failed the compiled zoo's training trace."""
+    from timm_ext.memory_model import estimate
+    from timm_ext.train.args import parse_args
+    args, _ = parse_args(['--model', 'test_vit', '--img-size', '32', '--device', 'cuda', '--amp', '--torchcompile',
+                          '--num-classes', '10', '--drop-path', '0.1'])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    args.gpu = 'rtx4090'
+    assert estimate._trace(args, estimate.run_device(args, 'cuda'), (2, 4), 'train').peak(4) > 0

@@ -106,7 +106,9 @@ def _generate(graph_module: fx.GraphModule, example_inputs: Sequence[object], *,
         if card is None:
             return compile_fx_inner(graph_module, example_inputs, **kwargs)
         inputs = on_cuda(graph_module, example_inputs)
-        with fake_cuda(card):
+        # AOTAutograd decomposed the graph on CPU tensors, where inductor keeps `bernoulli` (stochastic depth) whole;
+        # CUDA lowering takes such a random op only as a fallback kernel, which holds its output as eager does
+        with fake_cuda(card), torch._inductor.config.patch(fallback_random=True):
             # the layout (channels-last convolutions or not) decided by GraphLowering for the card
             return compile_fx_inner(graph_module, inputs, **{**kwargs, 'layout_opt': None})
     finally:
