@@ -67,6 +67,11 @@ def largest(entry: dict, card_name: str, config: str) -> Optional[int]:
     return MemoryEstimate.from_json(entry, device_model('cuda', card=card)).largest_batch(card.allocator_bytes)
 
 
+def table_kind(config: str) -> str:
+    """The kind of published table that can confirm a row of `config`: 'train' or 'infer'."""
+    return 'train' if CONFIGS[config][0] == 'train' else 'infer'
+
+
 def confirmations() -> Dict[tuple, str]:
     """(model, 'train' or 'infer') -> the published tables whose rung the table-software estimate of that model
     hits."""
@@ -125,11 +130,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.shard is not None:
         return 0
     confirmed = confirmations()
-    before = {(r['model'], r['config']): r for r in csv.DictReader(open(TABLE))} if os.path.exists(TABLE) else {}
-    carried = not confirmed  # no table's traces in this checkout (they are not committed): keep the page's marks
+    carried = not confirmed and os.path.exists(TABLE)  # no table's traces here (not committed): keep the page's marks
     if carried:
-        confirmed = {(r['model'], 'train' if CONFIGS[r['config']][0] == 'train' else 'infer'): r['confirmed_by']
-                     for r in before.values() if r['confirmed_by']}
+        confirmed = {(r['model'], table_kind(r['config'])): r['confirmed_by'] for r in csv.DictReader(open(TABLE))
+                     if r['confirmed_by']}
     rows = []
     for model in models:
         for config in CONFIGS:
@@ -140,11 +144,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             if config in OPTIONAL and 'error' in entry:
                 continue
             size = entry.get('describe', '').split(' at input ')[-1].split(',')[0]
-            kind = 'train' if CONFIGS[config][0] == 'train' else 'infer'
             rows.append(dict(model=model, input=size, config=config,
                              **{name: largest(entry, name, config) for name in ATLAS_CARDS},
                              # the published tables ran no checkpointing: they confirm the other steps only
-                             confirmed_by='' if config in OPTIONAL else confirmed.get((model, kind), '')))
+                             confirmed_by='' if config in OPTIONAL else
+                             confirmed.get((model, table_kind(config)), '')))
     with open(TABLE, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -8,7 +8,8 @@
 Timed: each model's whole command (`--device cuda --mem-budget 24GiB --estimate --savers`, a fresh process: imports,
 traces, replays, the table), best of `--repeats`, run one after another; the figures go to `--output` (JSON) and
 stdout. `--torchcompile` times the compiled plan instead (`--amp --torchcompile --gpu rtx4090`, issue 48's command):
-inductor lowers, schedules and generates the step's graphs for the card, so its cold compile is most of the time. Time it on quiet cores only: a shared machine times the other sessions.
+inductor lowers, schedules and generates the step's graphs for the card, so its cold compile is most of the time.
+Time it on quiet cores only: a shared machine times the other sessions.
 
 `--profile MODEL` runs the same command in this process under cProfile, its traces in this process too, one after
 another (a forked trace would hide its work from the profiler), and prints how many times each stage ran (traces,

@@ -118,22 +118,27 @@ def test_a_torch_without_torch_compile_is_refused_in_one_line():
     assert compile_problem(None, parse_software('torch=1.13.1')) is None
 
 
+def _compiled_trace(step_kind: str, *flags: str):
+    """A compiled AMP step of train.py traced in this process for an RTX 4090 at 32 px, batches 2 and 4."""
+    from timm_ext.memory_model import estimate
+    from timm_ext.train.args import parse_args
+    args, _ = parse_args(['--img-size', '32', '--device', 'cuda', '--amp', '--torchcompile', '--num-classes', '10',
+                          *flags])
+    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
+    args.gpu = 'rtx4090'
+    return estimate._trace(args, estimate.run_device(args, 'cuda'), (2, 4), step_kind)
+
+
 def test_an_evaluation_trace_compiles_the_forward_alone(monkeypatch):
     """train.py's evaluation is traced after one warm-up update, there for the optimizer state it leaves. Run eager,
     it leaves the same state; run compiled, it compiled the training forward and backward a second time (beside the
     training trace's own), which cost a compiled resnet50 plan 47.5 s where it now takes 41.5 s."""
     import torch._inductor.compile_fx as compile_fx
 
-    from timm_ext.memory_model import estimate
-    from timm_ext.train.args import parse_args
     graphs = []
     inner = compile_fx.compile_fx_inner
     monkeypatch.setattr(compile_fx, 'compile_fx_inner', lambda gm, *a, **k: graphs.append(gm) or inner(gm, *a, **k))
-    args, _ = parse_args(['--model', 'test_resnet', '--img-size', '32', '--device', 'cuda', '--amp', '--torchcompile',
-                          '--num-classes', '10'])
-    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
-    args.gpu = 'rtx4090'
-    traced = estimate._trace(args, estimate.run_device(args, 'cuda'), (2, 4), 'eval')
+    traced = _compiled_trace('eval', '--model', 'test_resnet')
     assert len(graphs) == 1  # the inference graph
     assert traced.peak(4) > 0
 
@@ -142,10 +147,4 @@ def test_a_compiled_update_with_stochastic_depth_lowers_for_the_card():
     """Stochastic depth's `bernoulli` stays whole when AOTAutograd decomposes on CPU tensors, and CUDA lowering
     refused it ("this should be handled in decomps unless config.fallback_random"): FasterNet, FocalNet and
     EfficientFormer-V2 failed the compiled zoo's training trace."""
-    from timm_ext.memory_model import estimate
-    from timm_ext.train.args import parse_args
-    args, _ = parse_args(['--model', 'test_vit', '--img-size', '32', '--device', 'cuda', '--amp', '--torchcompile',
-                          '--num-classes', '10', '--drop-path', '0.1'])
-    args.distributed, args.world_size, args.rank, args.local_rank = False, 1, 0, 0
-    args.gpu = 'rtx4090'
-    assert estimate._trace(args, estimate.run_device(args, 'cuda'), (2, 4), 'train').peak(4) > 0
+    assert _compiled_trace('train', '--model', 'test_vit', '--drop-path', '0.1').peak(4) > 0
